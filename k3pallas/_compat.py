@@ -1,0 +1,61 @@
+"""Differences between the supported jax versions (0.10.2 through 0.12.x), in one place.
+
+Nothing else in the package imports private jax internals or checks ``jax.__version__``.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental import pallas as pl  # noqa: F401  (re-exported for the kernel modules)
+from jax.experimental.pallas import triton as plgpu
+
+
+def _parse_version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+JAX_VERSION: tuple[int, ...] = _parse_version(jax.__version__)
+
+
+def triton_compiler_params(num_warps: int, num_stages: int):
+    """Launch options of a Pallas Triton call (``TritonCompilerParams`` was renamed in jax 0.6)."""
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def abstract_target_device():
+    """The ``AbstractDevice`` of the abstract mesh in scope (deviceless lowering), or None.
+
+    ``jax.sharding.get_abstract_mesh`` exists in every supported version; the attribute
+    ``abstract_device`` is None on a mesh that was not given one.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    return getattr(mesh, "abstract_device", None)
+
+
+def abstract_mesh(device_kind: str, platform: str):
+    """A one-device abstract mesh that targets ``device_kind`` on ``platform`` ("cuda" or "rocm").
+
+    Use it as ``with jax.sharding.use_abstract_mesh(abstract_mesh("gfx942", "rocm")):`` around
+    ``jax.jit(f).trace(...).lower(lowering_platforms=(platform,))`` to lower for a GPU that is not
+    attached. ``AxisType.Auto``: ``Explicit`` broke two-dimensional reductions in that mode.
+    """
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    return AbstractMesh(
+        (1,), ("x",), (AxisType.Auto,),
+        abstract_device=AbstractDevice(device_kind, 1, platform),
+    )
+
+
+def lower_for(fn, args, device_kind: str, platform: str):
+    """Lower ``jax.jit(fn)`` for ``args`` (arrays or ShapeDtypeStructs) on a GPU that is not here.
+
+    Returns the ``jax.stages.Lowered`` object; ``.as_text()`` gives the StableHLO module.
+    """
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    with jax.sharding.use_abstract_mesh(abstract_mesh(device_kind, platform)):
+        return jax.jit(fn).trace(*structs).lower(lowering_platforms=(platform,))

@@ -1,0 +1,349 @@
+"""The public functions: check the arguments, pick the implementation, shape rows, and dispatch.
+
+No kernel code lives here. Every function:
+
+* takes arrays positionally and options as keywords; options are static (Python values), so the
+  functions work inside ``jax.jit`` and ``jax.vmap``;
+* accepts any leading shape (flattened to rows) and returns empty outputs for zero rows without
+  launching anything;
+* is inference-only: taking a gradient raises ``TypeError`` saying so;
+* chooses an implementation with ``impl``: ``"auto"`` (the Pallas kernel when the target is a GPU,
+  cuda or rocm, else the jnp reference), ``"pallas"`` (the compiled kernel; RuntimeError on a
+  backend without one, never a silent fallback), ``"interpret"`` (the same kernel in Pallas
+  interpret mode, on any backend) or ``"reference"`` (pure jnp, compiled by XLA).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from k3pallas import fp8 as fp8_lib
+from k3pallas import platform
+from k3pallas import reference
+from k3pallas._checks import static_positive_float
+from k3pallas.fp8 import QuantizedActivation
+from k3pallas.kernels import gated_fp8 as gated_kernels
+from k3pallas.kernels import rmsnorm as rmsnorm_kernels
+
+__all__ = ["rmsnorm", "fused_q_kv_rmsnorm", "rmsnorm_gated", "rmsnorm_gated_fp8_per_token",
+           "per_token_fp8_quant", "IMPLS", "ACTIVATIONS"]
+
+IMPLS = ("auto", "pallas", "interpret", "reference")
+ACTIVATIONS = ("sigmoid", "silu")
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+# ------------------------------------------------------------------------------------------------
+# Argument checks (each error names the argument and what it got)
+# ------------------------------------------------------------------------------------------------
+
+
+def _resolve_impl(impl, op: str) -> str:
+    """The implementation that runs: "pallas", "interpret" or "reference"."""
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
+    if impl in ("interpret", "reference"):
+        return impl
+    target = platform.current_target()
+    if impl == "auto":
+        return "pallas" if target.is_gpu else "reference"
+    if not target.is_gpu:
+        raise RuntimeError(
+            f"{op}: impl='pallas' needs a GPU target (cuda or rocm); the target here is "
+            f"{target.backend!r}. Use impl='interpret' to run the kernel on the CPU, or "
+            "impl='reference' / 'auto' for the jnp version.")
+    return "pallas"
+
+
+def _check_array(op, name, a, *, min_rank=1, dtypes=SUPPORTED_DTYPES):
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise TypeError(f"{op}: {name} must be an array, got {type(a).__name__}")
+    if a.ndim < min_rank:
+        raise ValueError(f"{op}: {name} must have rank >= {min_rank}, got shape {tuple(a.shape)}")
+    if jnp.dtype(a.dtype) not in dtypes:
+        names = ", ".join(d.name for d in dtypes)
+        raise TypeError(f"{op}: {name} must have a floating dtype among {names}; got {a.dtype}")
+    if any(d == 0 for d in a.shape[a.ndim - min_rank:]):
+        raise ValueError(f"{op}: {name} must have non-empty trailing dims (the normalized or "
+                         f"quantized ones), got shape {tuple(a.shape)}")
+
+
+def _check_weight(op, name, w, length, of):
+    _check_array(op, name, w, min_rank=1)
+    if w.ndim != 1 or w.shape[0] != length:
+        raise ValueError(f"{op}: {name} must have shape ({length},) to match the last dim of {of}; "
+                         f"got {tuple(w.shape)}")
+
+
+def _check_eps(op, name, eps) -> float:
+    try:
+        return static_positive_float(name, eps)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{op}: {e}") from None
+
+
+def _check_activation(op, activation):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub):
+    try:
+        return fp8_lib.resolve_fp8_params(fp8_dtype, fp8_max, min_scale, scale_ub)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{op}: {e}") from None
+
+
+# ------------------------------------------------------------------------------------------------
+# Inference-only wrapper
+# ------------------------------------------------------------------------------------------------
+
+
+def _inference_only(op, fn, *arrays):
+    """Call ``fn(*arrays)``; any JVP or gradient through it raises TypeError."""
+    wrapped = jax.custom_jvp(fn)
+
+    def _no_gradient(primals, tangents):
+        raise TypeError(f"k3pallas.{op} is inference-only: it defines no gradient. Use the jnp "
+                        f"version in k3pallas.reference for training code.")
+
+    wrapped.defjvp(_no_gradient)
+    return wrapped(*arrays)
+
+
+def _rows(a, trailing: int):
+    """View ``a [..., *trailing dims]`` as ``[T, *trailing dims]``."""
+    lead = a.shape[: a.ndim - trailing]
+    return a.reshape((math.prod(lead),) + a.shape[a.ndim - trailing:]), lead
+
+
+# ------------------------------------------------------------------------------------------------
+# Joint q/kv RMSNorm and RMSNorm
+# ------------------------------------------------------------------------------------------------
+
+
+def rmsnorm(x, weight, eps=1e-6, *, impl="auto"):
+    """RMSNorm over the last axis: ``x * rsqrt(mean(x**2, -1) + eps) * weight``.
+
+    Args:
+      x: ``[..., D]`` float16, bfloat16 or float32; any leading shape.
+      weight: ``[D]``, any of those dtypes.
+      eps: positive finite Python float (default 1e-6, DeepSeek-V3 / Kimi-K2 MLA).
+      impl: "auto", "pallas", "interpret" or "reference" (see ``k3pallas.api``).
+
+    Returns: ``[..., D]`` in ``x.dtype``; math in float32, one cast at the end.
+
+    Equivalent jnp: ``(xf * jax.lax.rsqrt(jnp.mean(xf**2, -1, keepdims=True) + eps)
+    * weight.astype(f32)).astype(x.dtype)`` with ``xf = x.astype(f32)``.
+
+    Raises: TypeError (non-array, unsupported dtype, traced eps, gradient), ValueError (shapes,
+    eps, impl), RuntimeError (impl="pallas" without a GPU target).
+    """
+    op = "rmsnorm"
+    _check_array(op, "x", x)
+    _check_weight(op, "weight", weight, x.shape[-1], "x")
+    eps = _check_eps(op, "eps", eps)
+    impl = _resolve_impl(impl, op)
+    if impl == "reference":
+        return _inference_only(op, lambda a, w: reference.rmsnorm(a, w, eps), x, weight)
+    x2, lead = _rows(x, 1)
+    if x2.shape[0] == 0:
+        return jnp.zeros(x.shape, x.dtype)
+
+    def run(a, w):
+        (y,) = rmsnorm_kernels.rmsnorm_rows([a], [w], [eps], op=op,
+                                            interpret=impl == "interpret")
+        return y
+
+    return _inference_only(op, run, x2, weight).reshape(x.shape)
+
+
+def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, impl="auto"):
+    """RMSNorm of MLA's compressed q and kv latents in ONE kernel launch.
+
+    Args:
+      q_c: ``[..., Dq]`` (1536 in DeepSeek-V3 / Kimi-K2 / Kimi-K3), float16 / bfloat16 / float32.
+      kv_c: ``[..., Dkv]`` (512), same leading dims as ``q_c``; its dtype may differ.
+      q_weight, kv_weight: ``[Dq]`` and ``[Dkv]``, any of those dtypes.
+      eps: epsilon of the q norm (default 1e-6; Kimi-K2.5 and later use 1e-5).
+      kv_eps: epsilon of the kv norm; defaults to ``eps``.
+      impl: "auto", "pallas", "interpret" or "reference".
+
+    Returns: ``(q_out, kv_out)``, each ``rmsnorm`` of its input, in its input's dtype.
+
+    Raises: as ``rmsnorm``; ValueError if the leading dims differ.
+    """
+    op = "fused_q_kv_rmsnorm"
+    _check_array(op, "q_c", q_c)
+    _check_array(op, "kv_c", kv_c)
+    if q_c.shape[:-1] != kv_c.shape[:-1]:
+        raise ValueError(f"{op}: q_c and kv_c must have the same leading dims; got shapes "
+                         f"{tuple(q_c.shape)} and {tuple(kv_c.shape)}")
+    _check_weight(op, "q_weight", q_weight, q_c.shape[-1], "q_c")
+    _check_weight(op, "kv_weight", kv_weight, kv_c.shape[-1], "kv_c")
+    eps = _check_eps(op, "eps", eps)
+    kv_eps = eps if kv_eps is None else _check_eps(op, "kv_eps", kv_eps)
+    impl = _resolve_impl(impl, op)
+    if impl == "reference":
+        return _inference_only(
+            op, lambda q, kv, wq, wkv: reference.fused_q_kv_rmsnorm(q, kv, wq, wkv, eps, kv_eps),
+            q_c, kv_c, q_weight, kv_weight)
+    q2, _ = _rows(q_c, 1)
+    kv2, _ = _rows(kv_c, 1)
+    if q2.shape[0] == 0:
+        return jnp.zeros(q_c.shape, q_c.dtype), jnp.zeros(kv_c.shape, kv_c.dtype)
+
+    def run(q, kv, wq, wkv):
+        return tuple(rmsnorm_kernels.rmsnorm_rows([q, kv], [wq, wkv], [eps, kv_eps], op=op,
+                                                  interpret=impl == "interpret"))
+
+    q_out, kv_out = _inference_only(op, run, q2, kv2, q_weight, kv_weight)
+    return q_out.reshape(q_c.shape), kv_out.reshape(kv_c.shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# Gated RMSNorm, its FP8 fusion, and per-token FP8
+# ------------------------------------------------------------------------------------------------
+
+_FP8_DOC = """
+    Per-token FP8 (vLLM's dynamic per-token semantics), over the whole row:
+    ``amax = max|y|``; ``scale = max(min(amax, scale_ub) / fp8_max, min_scale)``;
+    ``data = round_to_nearest_even(clamp(y / scale, -fp8_max, fp8_max))``. A zero row gets
+    ``scale = min_scale`` and zero codes; a row holding NaN gets a NaN scale and NaN codes, and
+    no other row changes.
+
+      fp8_dtype: ``float8_e4m3fn``, ``float8_e4m3fnuz`` or ``float8_e5m2``; default by device
+        (``k3pallas.default_fp8_dtype``: e4m3fnuz on gfx94x, e4m3fn elsewhere).
+      fp8_max: default 448 (e4m3fn), 224 (e4m3fnuz, as vLLM; pass 240 for AITER's choice),
+        57344 (e5m2); at most the format's largest finite value.
+      min_scale: default ``1 / (fp8_max * 512)``.
+      scale_ub: optional upper bound on ``amax`` (default None: no bound).
+"""
+
+
+def _check_gated(op, x, weight, gate, eps, activation):
+    _check_array(op, "x", x, min_rank=2)
+    _check_array(op, "gate", gate, min_rank=2)
+    if gate.shape != x.shape:
+        raise ValueError(f"{op}: gate must have the shape of x; got gate {tuple(gate.shape)} and "
+                         f"x {tuple(x.shape)}")
+    _check_weight(op, "weight", weight, x.shape[-1], "x")
+    _check_activation(op, activation)
+    return _check_eps(op, "eps", eps)
+
+
+def rmsnorm_gated(x, weight, gate, eps=1e-5, *, activation="sigmoid", impl="auto"):
+    """Gated RMSNorm per head: ``rmsnorm(x) * weight * act(gate)``, in that order.
+
+    Args:
+      x: ``[..., H, D]`` float16 / bfloat16 / float32; normalized over D for each head.
+      weight: ``[D]``, shared by the heads.
+      gate: ``[..., H, D]``, the shape of x; its dtype may differ.
+      eps: default 1e-5 (Kimi Delta Attention).
+      activation: "sigmoid" (KDA) or "silu" (swish).
+      impl: "auto", "pallas", "interpret" or "reference".
+
+    Returns: ``[..., H, D]`` in ``x.dtype``; float32 math, one cast at the end.
+
+    Equivalent jnp: ``(rmsnorm_f32(x) * weight.astype(f32) * act(gate.astype(f32))).astype(x.dtype)``.
+    """
+    op = "rmsnorm_gated"
+    eps = _check_gated(op, x, weight, gate, eps, activation)
+    impl = _resolve_impl(impl, op)
+    if impl == "reference":
+        return _inference_only(
+            op, lambda a, w, g: reference.rmsnorm_gated(a, w, g, eps, activation), x, weight, gate)
+    x3, _ = _rows(x, 2)
+    g3, _ = _rows(gate, 2)
+    if x3.shape[0] == 0:
+        return jnp.zeros(x.shape, x.dtype)
+
+    def run(a, w, g):
+        return gated_kernels.rmsnorm_gated_rows(a, g, w, eps=eps, activation=activation,
+                                                quant=None, interpret=impl == "interpret")
+
+    return _inference_only(op, run, x3, weight, g3).reshape(x.shape)
+
+
+def rmsnorm_gated_fp8_per_token(x, weight, gate, eps=1e-5, *, activation="sigmoid",
+                                fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None,
+                                impl="auto") -> QuantizedActivation:
+    op = "rmsnorm_gated_fp8_per_token"
+    eps = _check_gated(op, x, weight, gate, eps, activation)
+    q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub)
+    impl = _resolve_impl(impl, op)
+    lead = x.shape[:-2]
+    width = x.shape[-2] * x.shape[-1]
+    if impl == "reference":
+        data, scale = _inference_only(
+            op, lambda a, w, g: reference.rmsnorm_gated_fp8_per_token(
+                a, w, g, eps, activation, q.dtype, q.fp8_max, q.min_scale, q.scale_ub),
+            x, weight, gate)
+        return QuantizedActivation(data, scale)
+    x3, _ = _rows(x, 2)
+    g3, _ = _rows(gate, 2)
+    if x3.shape[0] == 0:
+        return QuantizedActivation(jnp.zeros(lead + (width,), q.dtype),
+                                   jnp.zeros(lead + (1,), jnp.float32))
+
+    def run(a, w, g):
+        return gated_kernels.rmsnorm_gated_rows(a, g, w, eps=eps, activation=activation, quant=q,
+                                                interpret=impl == "interpret")
+
+    codes, scale = _inference_only(op, run, x3, weight, g3)
+    return QuantizedActivation(codes.reshape(lead + (width,)), scale.reshape(lead + (1,)))
+
+
+rmsnorm_gated_fp8_per_token.__doc__ = """Gated RMSNorm fused with dynamic per-token FP8, ONE launch.
+
+    ``y = rmsnorm(x) * weight * act(gate)`` per head (as ``rmsnorm_gated``, in float32), then one
+    FP8 scale per token over all heads; ``y`` itself never goes through memory.
+
+    Args:
+      x, gate: ``[..., H, D]``; weight ``[D]``; eps (default 1e-5); activation "sigmoid" | "silu".
+""" + _FP8_DOC + """      impl: "auto", "pallas", "interpret" or "reference".
+
+    Returns: ``QuantizedActivation(data [..., H*D] fp8, scale [..., 1] float32)``.
+
+    Raises: TypeError / ValueError naming the bad argument; RuntimeError for impl="pallas"
+    without a GPU target; TypeError on any gradient.
+    """
+
+
+def per_token_fp8_quant(x, *, fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None,
+                        impl="auto") -> QuantizedActivation:
+    op = "per_token_fp8_quant"
+    _check_array(op, "x", x)
+    q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub)
+    impl = _resolve_impl(impl, op)
+    lead = x.shape[:-1]
+    if impl == "reference":
+        data, scale = _inference_only(
+            op, lambda a: reference.per_token_fp8_quant(a, q.dtype, q.fp8_max, q.min_scale,
+                                                        q.scale_ub), x)
+        return QuantizedActivation(data, scale)
+    x2, _ = _rows(x, 1)
+    if x2.shape[0] == 0:
+        return QuantizedActivation(jnp.zeros(x.shape, q.dtype), jnp.zeros(lead + (1,), jnp.float32))
+
+    def run(a):
+        return gated_kernels.per_token_fp8_rows(a, quant=q, interpret=impl == "interpret")
+
+    codes, scale = _inference_only(op, run, x2)
+    return QuantizedActivation(codes.reshape(x.shape), scale.reshape(lead + (1,)))
+
+
+per_token_fp8_quant.__doc__ = """Dynamic per-token FP8 of ``x [..., N]`` (an already-normed activation).
+
+    Args:
+      x: ``[..., N]`` float16 / bfloat16 / float32.
+""" + _FP8_DOC + """      impl: "auto", "pallas", "interpret" or "reference".
+
+    Returns: ``QuantizedActivation(data [..., N] fp8, scale [..., 1] float32)``.
+
+    Raises: TypeError / ValueError naming the bad argument; RuntimeError for impl="pallas"
+    without a GPU target; TypeError on any gradient.
+    """

@@ -1,0 +1,204 @@
+"""FP8 format rules: dtypes per device, fp8_max defaults, the quantized-activation container, and a
+bit-exact integer encoder from float32 that the Pallas kernels use.
+
+Formats (OCP / AMD naming as in ml_dtypes):
+
+============================  =========  ====  ============  =====================================
+dtype                         max        bias  NaN           used by
+============================  =========  ====  ============  =====================================
+``float8_e4m3fn``             448        7     0x7f / 0xff   NVIDIA sm_89+, AMD gfx950 (MI355X), CPU
+``float8_e4m3fnuz``           240        8     0x80 only     AMD gfx94x (MI300X, MI325X); no -0
+``float8_e5m2``               57344      15    0x7e / 0xfe   accepted everywhere (gradients-style)
+============================  =========  ====  ============  =====================================
+
+Defaults follow vLLM's dynamic per-token FP8: ``fp8_max`` 448 on e4m3fn, 224 on e4m3fnuz (vLLM
+avoids 240 on MI300 for accuracy; AITER uses 240, pass it explicitly), 57344 on e5m2;
+``min_scale = 1 / (fp8_max * 512)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from k3pallas._checks import static_positive_float
+
+__all__ = [
+    "FP8_E4M3FN_MAX", "FP8_E4M3FNUZ_MAX", "FP8_E4M3FNUZ_MAX_AITER", "FP8_E5M2_MAX",
+    "FP8_DTYPES", "QuantizedActivation", "default_fp8_dtype", "default_fp8_max",
+    "fp8_format", "encode_fp8", "Fp8Params", "resolve_fp8_params",
+]
+
+FP8_E4M3FN_MAX = 448.0
+FP8_E4M3FNUZ_MAX = 224.0  # vLLM's choice on MI300; the format's largest finite value is 240
+FP8_E4M3FNUZ_MAX_AITER = 240.0  # AITER and the Kimi-K3 fused kernel
+FP8_E5M2_MAX = 57344.0
+MIN_SCALE_DIVISOR = 512.0  # min_scale = 1 / (fp8_max * 512), as vLLM
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Format:
+    dtype: jnp.dtype
+    exp_bits: int
+    man_bits: int
+    bias: int
+    max_finite: float
+    default_max: float
+    has_negative_zero: bool
+    nan_code: int  # the positive NaN code; fn and e5m2 keep the sign bit, fnuz has one NaN
+
+    @property
+    def name(self) -> str:
+        return jnp.dtype(self.dtype).name
+
+
+_FORMATS = {
+    jnp.dtype(jnp.float8_e4m3fn): Fp8Format(jnp.dtype(jnp.float8_e4m3fn), 4, 3, 7, 448.0,
+                                            FP8_E4M3FN_MAX, True, 0x7F),
+    jnp.dtype(jnp.float8_e4m3fnuz): Fp8Format(jnp.dtype(jnp.float8_e4m3fnuz), 4, 3, 8, 240.0,
+                                              FP8_E4M3FNUZ_MAX, False, 0x80),
+    jnp.dtype(jnp.float8_e5m2): Fp8Format(jnp.dtype(jnp.float8_e5m2), 5, 2, 15, 57344.0,
+                                          FP8_E5M2_MAX, True, 0x7E),
+}
+FP8_DTYPES = tuple(_FORMATS)
+
+
+def fp8_format(dtype) -> Fp8Format:
+    """The format record of an fp8 dtype; TypeError for anything else."""
+    try:
+        key = jnp.dtype(dtype)
+    except TypeError:
+        key = None
+    if key not in _FORMATS:
+        names = ", ".join(d.name for d in FP8_DTYPES)
+        raise TypeError(f"fp8_dtype must be one of {names}; got {dtype!r}")
+    return _FORMATS[key]
+
+
+def default_fp8_max(dtype) -> float:
+    """448 for e4m3fn, 224 for e4m3fnuz (as vLLM), 57344 for e5m2."""
+    return fp8_format(dtype).default_max
+
+
+def default_fp8_dtype(device=None):
+    """The FP8 activation dtype native to ``device`` (default: the target traced for now).
+
+    AMD gfx94x (MI300X, MI325X) -> ``float8_e4m3fnuz``; gfx950 (MI355X) and later, NVIDIA sm_89
+    and later, and the CPU -> ``float8_e4m3fn``. Older NVIDIA parts have no FP8 units; they get
+    e4m3fn too (XLA emulates it).
+    """
+    from k3pallas import platform  # local import: platform imports jax devices lazily
+
+    if device is None:
+        target = platform.current_target()
+    elif isinstance(device, platform.Target):
+        target = device
+    else:
+        target = platform.target_for(device.device_kind, device.platform,
+                                     getattr(device, "compute_capability", None))
+    if target.backend == "rocm" and target.arch.startswith("gfx94"):
+        return jnp.dtype(jnp.float8_e4m3fnuz)
+    return jnp.dtype(jnp.float8_e4m3fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Params:
+    """Resolved per-token FP8 options, as the kernels and the reference take them."""
+
+    dtype: jnp.dtype
+    fp8_max: float
+    min_scale: float
+    scale_ub: float | None
+    native_cast: bool = False  # kernels: use the lowering's own cast instead of encode_fp8
+
+
+def resolve_fp8_params(fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None, *,
+                       target=None) -> Fp8Params:
+    """Fill in the defaults (dtype by device, fp8_max by dtype, min_scale by fp8_max) and check.
+
+    ``fp8_max`` may not exceed the format's largest finite value (448 / 240 / 57344): a larger one
+    would overflow the format after the clamp.
+    """
+    from k3pallas import platform
+
+    target = platform.current_target() if target is None else target
+    dtype = default_fp8_dtype(target) if fp8_dtype is None else fp8_format(fp8_dtype).dtype
+    fmt = fp8_format(dtype)
+    fp8_max = fmt.default_max if fp8_max is None else static_positive_float("fp8_max", fp8_max)
+    if fp8_max > fmt.max_finite:
+        raise ValueError(f"fp8_max={fp8_max} exceeds the largest finite {fmt.name} value "
+                         f"{fmt.max_finite}")
+    if min_scale is None:
+        min_scale = 1.0 / (fp8_max * MIN_SCALE_DIVISOR)
+    else:
+        min_scale = static_positive_float("min_scale", min_scale)
+    if scale_ub is not None:
+        scale_ub = static_positive_float("scale_ub", scale_ub)
+    return Fp8Params(dtype, fp8_max, min_scale, scale_ub, platform.native_fp8_cast(target, dtype))
+
+
+class QuantizedActivation(NamedTuple):
+    """Per-token FP8 activation: ``data [..., N]`` in an fp8 dtype, ``scale [..., 1]`` float32.
+
+    ``data * scale`` approximates the original activation. A NamedTuple, so ``q, scale = qa``
+    unpacks and it passes through ``jax.jit`` as a pytree.
+    """
+
+    data: jax.Array
+    scale: jax.Array
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """``data.astype(float32) * scale``, cast to ``dtype``."""
+        return (self.data.astype(jnp.float32) * self.scale).astype(dtype)
+
+
+def encode_fp8(v: jax.Array, dtype) -> jax.Array:
+    """float32 -> fp8 code (int32 in [0, 255]) with integer arithmetic, round to nearest even.
+
+    Bit-exact with ``v.astype(dtype)`` for every float32 ``v`` with ``|v| <=`` the format's largest
+    finite value, and for NaN (fn, e5m2: sign kept; fnuz: 0x80). Larger values are outside its
+    domain: the kernels clamp to ``+-fp8_max`` first. Written with jnp integer ops only, so it
+    runs in XLA and inside Pallas Triton kernels on cuda and rocm, where the Triton lowering
+    refuses any cast to ``float8_e4m3fnuz``. Constants stay Python ints: a uint32 literal
+    bitcast inside a kernel does not lower.
+    """
+    fmt = fp8_format(dtype)
+    m_bits, bias = fmt.man_bits, fmt.bias
+    shift = 23 - m_bits  # float32 mantissa bits dropped for a normal result
+
+    bits = lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
+    negative = bits < 0
+    a = bits & 0x7FFFFFFF  # |v| as bits; every value below stays under 2**31
+    is_nan = a > 0x7F800000
+
+    # Normal result: round the mantissa to m_bits (a carry moves into the exponent, as it
+    # should), then re-bias the exponent from 127 to the format's bias.
+    lsb = (a >> shift) & 1
+    normal = ((a + ((1 << (shift - 1)) - 1) + lsb) >> shift) - ((127 - bias) << m_bits)
+
+    # Subnormal result (or zero): the value in units of the smallest subnormal, rounded to
+    # nearest even. A result of 2**m_bits is the smallest normal, which is the right code too.
+    exp = (a >> 23) - 127 + bias  # the format's biased exponent the value would have
+    # Right shift of the 24-bit significand; 25 already gives 0. Clipped so that no lane shifts by
+    # a negative or >= 32 amount (undefined in LLVM), also lanes that take the normal branch.
+    s = jnp.clip(shift + 1 - exp, 1, 25)
+    mant = (a & 0x7FFFFF) | 0x800000
+    t = lax.shift_right_logical(mant, s - 1)  # keeps the rounding bit
+    sticky = lax.shift_left(t, s - 1) != mant
+    q = t >> 1
+    round_up = ((t & 1) == 1) & (sticky | ((q & 1) == 1))
+    sub = q + round_up.astype(jnp.int32)
+
+    mag = jnp.where(exp >= 1, normal, sub)
+    sign = jnp.where(negative, 0x80, 0)
+    if fmt.has_negative_zero:
+        code = mag | sign
+        nan = fmt.nan_code | sign
+    else:
+        code = jnp.where(mag == 0, 0, mag | sign)
+        nan = fmt.nan_code
+    return jnp.where(is_nan, nan, code)

@@ -1,0 +1,129 @@
+"""What every row kernel shares: the launcher and masked access to padded tiles.
+
+The Pallas Triton lowering needs every array an operation touches to have a power-of-two size,
+so a row of width 1536 is read through a 2048-wide index range with a mask. The masks are always
+explicit: jax 0.12 adds bounds masks for partial blocks by itself, jax 0.11 does not (an unmasked
+2048-wide access over 1536-wide rows gave wrong results on an H200).
+
+Offsets: the lowering switches to 64-bit offsets for arrays over 4 GiB, so 2**21 rows of 2048
+bf16 elements index correctly; see ``check_offsets`` for the one case it misses.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax.numpy as jnp
+
+from k3pallas import _compat
+from k3pallas._compat import pl, plgpu
+from k3pallas.platform import LaunchConfig
+
+
+def pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def check_offsets(shape: Sequence[int], dtype) -> None:
+    """Refuse arrays whose element offsets the lowering would compute in signed 32 bits wrongly.
+
+    jax picks 32-bit offsets when an array holds at most 2**32 bytes; with 1-byte elements the
+    offsets then reach 2**32 - 1, past int32. Arrays of 2-byte and wider elements are always safe.
+    """
+    nbytes = math.prod(shape) * jnp.dtype(dtype).itemsize
+    if jnp.dtype(dtype).itemsize == 1 and 2**31 <= nbytes <= 2**32:
+        raise ValueError(
+            f"an fp8 output of shape {tuple(shape)} ({nbytes} bytes) falls in the range where the "
+            "Pallas Triton lowering computes 32-bit signed offsets that overflow; split the rows "
+            "into calls of under 2**31 elements")
+
+
+def tile_index(rows: int, widths: Sequence[int]):
+    """Index arrays for a ``[rows, *widths]`` tile padded to powers of two, and the lane mask.
+
+    Returns ``(index_tuple, lane_mask)``: each index broadcasts against the others to the padded
+    tile shape; ``lane_mask`` (None where no width needed padding) is True on real lanes.
+    """
+    nd = 1 + len(widths)
+
+    def along(axis, size):
+        shape = [1] * nd
+        shape[axis] = size
+        return jnp.arange(size, dtype=jnp.int32).reshape(shape)
+
+    index = [along(0, rows)]
+    lane_mask = None
+    for axis, width in enumerate(widths, start=1):
+        padded = pow2(width)
+        idx = along(axis, padded)
+        index.append(idx)
+        if padded != width:
+            m = idx < width
+            lane_mask = m if lane_mask is None else lane_mask & m
+    return tuple(index), lane_mask
+
+
+def lane_index(width: int):
+    """1-D index over ``width`` padded to a power of two, and its mask (None if not padded)."""
+    padded = pow2(width)
+    idx = jnp.arange(padded, dtype=jnp.int32)
+    return idx, (idx < width if padded != width else None)
+
+
+def row_mask(n_rows: int, rows: int, nd: int):
+    """True for this program's rows that exist, shaped ``[rows, 1, ...]`` with ``nd`` dims."""
+    r = pl.program_id(0) * rows + jnp.arange(rows, dtype=jnp.int32)
+    return r.reshape((rows,) + (1,) * (nd - 1)) < n_rows
+
+
+def both(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a & b
+
+
+def load(ref, index, mask, other=0):
+    if mask is None:
+        return plgpu.load(ref.at[index])
+    return plgpu.load(ref.at[index], mask=mask, other=other)
+
+
+def store(ref, index, value, mask):
+    plgpu.store(ref.at[index], value.astype(ref.dtype), mask=mask)
+
+
+def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs, shared_inputs,
+             out_shapes, interpret: bool):
+    """Launch ``kernel`` once over row blocks: ONE pallas_call, grid ``cdiv(n_rows, R)``.
+
+    ``row_inputs`` and the arrays of ``out_shapes`` have rows as their first axis and are split
+    into ``R``-row blocks; ``shared_inputs`` (weights) are whole in every program. The kernel
+    receives refs in the order row inputs, shared inputs, outputs.
+    """
+    rows = config.rows_per_program
+
+    def row_spec(shape):
+        nrest = len(shape) - 1
+        return pl.BlockSpec((rows, *shape[1:]), lambda i, _n=nrest: (i,) + (0,) * _n)
+
+    def whole_spec(shape):
+        return pl.BlockSpec(tuple(shape), lambda i, _n=len(shape): (0,) * _n)
+
+    for out in out_shapes:
+        check_offsets(out.shape, out.dtype)
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(n_rows, rows),),
+        in_specs=[row_spec(a.shape) for a in row_inputs] + [whole_spec(a.shape) for a in shared_inputs],
+        out_specs=[row_spec(o.shape) for o in out_shapes],
+        out_shape=list(out_shapes),
+        compiler_params=_compat.triton_compiler_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name=name,
+    )(*row_inputs, *shared_inputs)
+
+
+__all__ = ["pow2", "tile_index", "lane_index", "row_mask", "both", "load", "store", "row_call", "check_offsets"]

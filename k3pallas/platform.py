@@ -1,0 +1,217 @@
+"""Where the kernels run, and how they are launched there.
+
+Two things live here and nowhere else:
+
+* ``Target``: the backend (``cpu``, ``cuda``, ``rocm``), the GPU architecture (``sm_90``,
+  ``gfx942``, ``gfx950``, ...), the warp size (32 on NVIDIA and RDNA, a 64-wide wavefront on
+  CDNA: MI300X, MI325X, MI355X) and the number of SMs / CUs. ``current_target()`` reads it from
+  the abstract mesh in scope (deviceless lowering for a GPU that is not attached) or else from
+  jax's default device.
+* ``LaunchConfig`` and ``launch_config()``: rows per program, ``num_warps`` and ``num_stages``
+  for every kernel, as one pure function of the op, the row count, the padded row size and the
+  target, with a tuned table (``tuned_configs.json``, written by ``python -m bench.tune``) that
+  takes precedence where it has an entry. Kernels never hold launch constants of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+
+import jax
+
+from k3pallas import _compat
+
+__all__ = ["Target", "LaunchConfig", "current_target", "target_for", "launch_config", "KNOWN_TARGETS"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    backend: str  # "cpu", "cuda" or "rocm"
+    arch: str  # "cpu", "sm_90", "gfx942", "gfx950", ...
+    device_kind: str
+    warp_size: int  # threads per warp (NVIDIA, RDNA) or wavefront (CDNA)
+    num_cores: int  # SMs (NVIDIA) or CUs (AMD); a guess of 128 where the device is unknown
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.backend in ("cuda", "rocm")
+
+
+# Marketing names -> architecture, for devices that report a name rather than an arch.
+_AMD_ARCH_BY_NAME = (
+    ("MI355", "gfx950"), ("MI350", "gfx950"),
+    ("MI325", "gfx942"), ("MI300", "gfx942"),
+    ("MI250", "gfx90a"), ("MI210", "gfx90a"), ("MI100", "gfx908"),
+)
+_NVIDIA_ARCH_BY_NAME = (
+    ("GB300", "sm_103"), ("B300", "sm_103"), ("GB200", "sm_100"), ("B200", "sm_100"),
+    ("GH200", "sm_90"), ("H200", "sm_90"), ("H100", "sm_90"), ("H800", "sm_90"),
+    ("L40", "sm_89"), ("L4", "sm_89"), ("4090", "sm_89"),
+    ("A100", "sm_80"), ("A800", "sm_80"), ("A10", "sm_86"), ("T4", "sm_75"),
+)
+# SMs / CUs of the parts we know (datasheets); only used to keep every core busy at small T.
+_CORES = {
+    "H200": 132, "H100": 132, "GH200": 132, "A100": 108, "B200": 148,
+    "gfx942": 304, "gfx950": 256, "gfx90a": 104,
+}
+
+# The targets the deviceless tests, the ROCm compile gate and the docs talk about.
+KNOWN_TARGETS = {
+    "h200": ("NVIDIA H200", "cuda"),
+    "gfx942": ("gfx942", "rocm"),
+    "gfx950": ("gfx950", "rocm"),
+}
+
+
+def _amd_warp_size(arch: str) -> int:
+    # CDNA (gfx9xx: MI100 .. MI355X) runs 64-wide wavefronts; RDNA (gfx10+) defaults to 32.
+    m = re.match(r"gfx(\d+)", arch)
+    if m and len(m.group(1)) >= 4 and m.group(1).startswith(("10", "11", "12")):
+        return 32
+    return 64
+
+
+def target_for(device_kind: str, platform: str, compute_capability=None) -> Target:
+    """The ``Target`` of a device given its kind string and platform, without touching a device."""
+    platform = {"gpu": "cuda"}.get(platform, platform)
+    if platform == "rocm":
+        arch = None
+        for text in (compute_capability, device_kind):
+            if isinstance(text, str) and text.startswith("gfx"):
+                arch = text.split(":")[0]  # "gfx942:sramecc+:xnack-" -> "gfx942"
+                break
+        if arch is None:
+            arch = next((a for name, a in _AMD_ARCH_BY_NAME if name in device_kind), "gfx_unknown")
+        cores = _CORES.get(arch, 128)
+        return Target("rocm", arch, device_kind, _amd_warp_size(arch), cores)
+    if platform == "cuda":
+        arch = None
+        if isinstance(compute_capability, str) and re.fullmatch(r"\d+\.\d+", compute_capability):
+            arch = "sm_" + compute_capability.replace(".", "")
+        if arch is None:
+            arch = next((a for name, a in _NVIDIA_ARCH_BY_NAME if name in device_kind), "sm_unknown")
+        cores = next((c for name, c in _CORES.items() if name in device_kind), 128)
+        return Target("cuda", arch, device_kind, 32, cores)
+    return Target(platform, platform, device_kind, 1, os.cpu_count() or 1)
+
+
+def current_target() -> Target:
+    """The target that code traced now will run on.
+
+    Inside ``jax.sharding.use_abstract_mesh`` with an abstract device (deviceless lowering) that
+    device is the target; otherwise jax's default device is.
+    """
+    abstract = _compat.abstract_target_device()
+    if abstract is not None:
+        return target_for(abstract.device_kind, abstract.platform)
+    device = jax.devices()[0]
+    return target_for(device.device_kind, device.platform, getattr(device, "compute_capability", None))
+
+
+def native_fp8_cast(target: Target, dtype) -> bool:
+    """Whether kernels for ``target`` may use the Triton lowering's own f32 -> ``dtype`` cast.
+
+    Only on NVIDIA, for e4m3fn and e5m2 (``cvt.rn.satfinite``, measured bit-exact with XLA's cast
+    on the H200 by the GPU tests). Everywhere else the integer encoder runs: the lowering refuses
+    casts to e4m3fnuz, and on AMD the native casts are unmeasured here.
+    """
+    import jax.numpy as jnp
+
+    return target.backend == "cuda" and jnp.dtype(dtype) in (
+        jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configurations
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    rows_per_program: int  # power of two
+    num_warps: int  # warps (NVIDIA) or wavefronts (AMD) per program
+    num_stages: int = 1  # the row kernels have no loop to pipeline; kept explicit for the sweep
+
+    def __post_init__(self):
+        for name in ("rows_per_program", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"LaunchConfig.{name} must be a power of two >= 1, got {value}")
+        if self.num_stages < 1:
+            raise ValueError(f"LaunchConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+OPS = ("rmsnorm", "fused_q_kv_rmsnorm", "rmsnorm_gated", "rmsnorm_gated_fp8", "per_token_fp8_quant")
+
+# Heuristic constants, per backend. Elements a program handles (summed over the tiles it loads),
+# and elements per thread of its largest tile. Chosen from the H200 sweep (bench/results) and,
+# for AMD, from the register figures of the ROCm compile gate; see README "Launch configs".
+_ELEMS_PER_PROGRAM = {"cuda": 4096, "rocm": 4096}
+_ELEMS_PER_THREAD = {"cuda": 8, "rocm": 8}
+_MAX_WARPS = {"cuda": 16, "rocm": 16}  # 512 threads on NVIDIA, 1024 work-items on CDNA
+_MAX_ROWS = 64
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def heuristic_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int,
+                     target: Target) -> LaunchConfig:
+    """The default launch config: a pure function of the problem and the target.
+
+    ``row_elems``: elements one row loads over all its tiles (padded to powers of two);
+    ``max_tile_row_elems``: the largest single tile's row (tiles are processed one after another,
+    so the largest decides the registers per thread).
+    """
+    del op  # one rule serves every row kernel today; the tuned table specializes per op
+    backend = target.backend if target.backend in _ELEMS_PER_PROGRAM else "cuda"
+    rows = _pow2_floor(max(1, _ELEMS_PER_PROGRAM[backend] // max(1, row_elems)))
+    rows = min(rows, _MAX_ROWS, _pow2_ceil(max(1, n_rows)))
+    # Keep at least two programs per core while there are rows enough for that.
+    while rows > 1 and math.ceil(n_rows / rows) < 2 * target.num_cores:
+        rows //= 2
+    threads = rows * max_tile_row_elems // _ELEMS_PER_THREAD[backend]
+    warp = max(1, target.warp_size)
+    num_warps = min(_MAX_WARPS[backend], max(1, _pow2_floor(max(1, threads // warp))))
+    return LaunchConfig(rows_per_program=rows, num_warps=num_warps, num_stages=1)
+
+
+_TUNED_PATH = os.path.join(os.path.dirname(__file__), "tuned_configs.json")
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_table() -> dict:
+    """The sweep's choices: {arch: {op: [[max_rows, row_elems, rows, warps, stages], ...]}}.
+
+    Entries are looked up by (arch, op, exact padded row size) and the smallest ``max_rows`` bucket
+    that holds the row count. Missing file or entry: the heuristic decides.
+    """
+    try:
+        with open(_TUNED_PATH) as f:
+            return json.load(f).get("configs", {})
+    except FileNotFoundError:
+        return {}
+
+
+def launch_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int | None = None,
+                  target: Target | None = None) -> LaunchConfig:
+    """The launch config for ``op`` on ``target`` (default: ``current_target()``)."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
+    target = current_target() if target is None else target
+    max_tile_row_elems = row_elems if max_tile_row_elems is None else max_tile_row_elems
+    for max_rows, elems, rows, warps, stages in tuned_table().get(target.arch, {}).get(op, []):
+        if elems == row_elems and n_rows <= max_rows:
+            rows = min(rows, _pow2_ceil(max(1, n_rows)))
+            return LaunchConfig(rows, warps, stages)
+    return heuristic_config(op, n_rows, row_elems, max_tile_row_elems, target)

@@ -1,0 +1,74 @@
+"""Pure jnp references: the exact semantics every kernel implements, compiled by XLA anywhere.
+
+These are first-class implementations (``impl="reference"`` in the public API calls them) and
+differentiable plain functions. They take already-validated arguments with the fp8 options
+resolved; the public API in ``k3pallas.api`` does the checking. Math is float32, with one cast at
+the end.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "rmsnorm", "fused_q_kv_rmsnorm", "rmsnorm_gated", "per_token_fp8_quant",
+    "rmsnorm_gated_fp8_per_token", "activation_fn",
+]
+
+
+def rmsnorm(x, weight, eps):
+    """``x * rsqrt(mean(x**2, -1) + eps) * weight`` in float32, cast to ``x.dtype``."""
+    xf = x.astype(jnp.float32)
+    ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    return (xf * jax.lax.rsqrt(ms + eps) * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps, kv_eps):
+    return rmsnorm(q_c, q_weight, eps), rmsnorm(kv_c, kv_weight, kv_eps)
+
+
+def activation_fn(name):
+    if name == "sigmoid":
+        return jax.nn.sigmoid
+    if name == "silu":
+        return jax.nn.silu
+    raise ValueError(f"activation must be 'sigmoid' or 'silu', got {name!r}")
+
+
+def _gated_f32(x, weight, gate, eps, activation):
+    xf = x.astype(jnp.float32)
+    ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    y = xf * jax.lax.rsqrt(ms + eps) * weight.astype(jnp.float32)
+    return y * activation_fn(activation)(gate.astype(jnp.float32))
+
+
+def rmsnorm_gated(x, weight, gate, eps, activation):
+    """Per head (last axis): ``rmsnorm(x) * weight * act(gate)``, float32 math, ``x.dtype`` out."""
+    return _gated_f32(x, weight, gate, eps, activation).astype(x.dtype)
+
+
+def per_token_fp8_quant(y, fp8_dtype, fp8_max, min_scale, scale_ub):
+    """Dynamic per-token FP8 of ``y [..., N]`` (any float dtype; math in float32).
+
+    ``amax = max|y|`` over the row; ``scale = max(min(amax, scale_ub) / fp8_max, min_scale)``;
+    ``data = clamp(y / scale, -fp8_max, fp8_max).astype(fp8_dtype)`` (XLA's cast rounds to nearest
+    even). A row holding a NaN gets a NaN scale (made explicit: XLA's CPU max-reduction can drop
+    NaN). Returns ``(data [..., N], scale [..., 1] float32)``.
+    """
+    y = y.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(y), axis=-1, keepdims=True)
+    if scale_ub is not None:
+        amax = jnp.minimum(amax, scale_ub)
+    scale = jnp.maximum(amax / fp8_max, min_scale)
+    scale = jnp.where(jnp.any(jnp.isnan(y), axis=-1, keepdims=True), jnp.nan, scale)
+    data = jnp.clip(y / scale, -fp8_max, fp8_max).astype(fp8_dtype)
+    return data, scale
+
+
+def rmsnorm_gated_fp8_per_token(x, weight, gate, eps, activation, fp8_dtype, fp8_max, min_scale,
+                                scale_ub):
+    """``per_token_fp8_quant`` of the float32 gated RMSNorm of ``x [..., H, D]``, over all heads."""
+    y = _gated_f32(x, weight, gate, eps, activation)
+    y = y.reshape(*y.shape[:-2], y.shape[-2] * y.shape[-1])
+    return per_token_fp8_quant(y, fp8_dtype, fp8_max, min_scale, scale_ub)
