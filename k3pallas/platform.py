@@ -174,7 +174,11 @@ def heuristic_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: i
     so the largest decides the registers per thread).
     """
     del op  # one rule serves every row kernel today; the tuned table specializes per op
-    backend = target.backend if target.backend in _ELEMS_PER_PROGRAM else "cuda"
+    if not target.is_gpu:
+        # Interpret mode runs the programs one after another: few, large programs are fastest.
+        rows = min(_MAX_ROWS, _pow2_floor(max(1, n_rows // 16)))
+        return LaunchConfig(rows_per_program=rows, num_warps=4, num_stages=1)
+    backend = target.backend
     rows = _pow2_floor(max(1, _ELEMS_PER_PROGRAM[backend] // max(1, row_elems)))
     rows = min(rows, _MAX_ROWS, _pow2_ceil(max(1, n_rows)))
     # Keep at least two programs per core while there are rows enough for that.

@@ -11,6 +11,8 @@ bf16 elements index correctly; see ``check_offsets`` for the one case it misses.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Sequence
 
@@ -95,13 +97,32 @@ def store(ref, index, value, mask):
     plgpu.store(ref.at[index], value.astype(ref.dtype), mask=mask)
 
 
+_POISON = contextvars.ContextVar("k3pallas_poison_outputs", default=False)
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Testing aid: kernels traced inside start from outputs filled with a poison value.
+
+    Float outputs start as NaN and fp8 code outputs as a code that decodes to NaN (passed as
+    ``out_poison``), through ``input_output_aliases``; an element the kernel leaves unwritten then
+    shows up as NaN, on the GPU as well as in interpret mode.
+    """
+    token = _POISON.set(True)
+    try:
+        yield
+    finally:
+        _POISON.reset(token)
+
+
 def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs, shared_inputs,
-             out_shapes, interpret: bool):
+             out_shapes, interpret: bool, out_poison=None):
     """Launch ``kernel`` once over row blocks: ONE pallas_call, grid ``cdiv(n_rows, R)``.
 
     ``row_inputs`` and the arrays of ``out_shapes`` have rows as their first axis and are split
     into ``R``-row blocks; ``shared_inputs`` (weights) are whole in every program. The kernel
-    receives refs in the order row inputs, shared inputs, outputs.
+    receives refs in the order row inputs, shared inputs, outputs. ``out_poison``: per output, the
+    fill value under ``poisoned_outputs()`` (default NaN).
     """
     rows = config.rows_per_program
 
@@ -114,16 +135,31 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
 
     for out in out_shapes:
         check_offsets(out.shape, out.dtype)
+    inputs = list(row_inputs) + list(shared_inputs)
+    in_specs = [row_spec(a.shape) for a in row_inputs] + [whole_spec(a.shape) for a in shared_inputs]
+    aliases = {}
+    body = kernel
+    if _POISON.get():
+        poison = out_poison or [float("nan")] * len(out_shapes)
+        n_in, n_out = len(inputs), len(out_shapes)
+        inputs += [jnp.full(o.shape, v, o.dtype) for o, v in zip(out_shapes, poison)]
+        in_specs += [row_spec(o.shape) for o in out_shapes]
+        aliases = {n_in + j: j for j in range(n_out)}
+
+        def body(*refs):
+            kernel(*refs[:n_in], *refs[n_in + n_out:])
     return pl.pallas_call(
-        kernel,
+        body,
         grid=(pl.cdiv(n_rows, rows),),
-        in_specs=[row_spec(a.shape) for a in row_inputs] + [whole_spec(a.shape) for a in shared_inputs],
+        in_specs=in_specs,
         out_specs=[row_spec(o.shape) for o in out_shapes],
         out_shape=list(out_shapes),
+        input_output_aliases=aliases,
         compiler_params=_compat.triton_compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name=name,
-    )(*row_inputs, *shared_inputs)
+    )(*inputs)
 
 
-__all__ = ["pow2", "tile_index", "lane_index", "row_mask", "both", "load", "store", "row_call", "check_offsets"]
+__all__ = ["pow2", "tile_index", "lane_index", "row_mask", "both", "load", "store", "row_call",
+           "check_offsets", "poisoned_outputs"]

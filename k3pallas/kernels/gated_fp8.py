@@ -94,6 +94,11 @@ def _codes_struct(shape, quant: fp8_lib.Fp8Params):
     return jax.ShapeDtypeStruct(shape, quant.dtype if quant.native_cast else jnp.uint8)
 
 
+def _codes_poison(quant: fp8_lib.Fp8Params):
+    """A code that decodes to NaN in the output format (for ``common.poisoned_outputs``)."""
+    return float("nan") if quant.native_cast else fp8_lib.fp8_format(quant.dtype).nan_code
+
+
 def _as_fp8(codes, quant: fp8_lib.Fp8Params):
     return codes if quant.native_cast else lax.bitcast_convert_type(codes, quant.dtype)
 
@@ -120,9 +125,10 @@ def rmsnorm_gated_rows(x, gate, weight, *, eps: float, activation: str,
         outs = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
     else:
         outs = [_codes_struct(x.shape, quant), jax.ShapeDtypeStruct((n_rows,), jnp.float32)]
+    poison = None if quant is None else [_codes_poison(quant), float("nan")]
     result = common.row_call(kernel, name=f"k3pallas_{op}", n_rows=n_rows, config=config,
                              row_inputs=[x, gate], shared_inputs=[weight], out_shapes=outs,
-                             interpret=interpret)
+                             interpret=interpret, out_poison=poison)
     if quant is None:
         return result[0]
     codes, scale = result
@@ -142,5 +148,5 @@ def per_token_fp8_rows(x, *, quant: fp8_lib.Fp8Params, interpret: bool,
         kernel, name="k3pallas_per_token_fp8_quant", n_rows=n_rows, config=config,
         row_inputs=[x], shared_inputs=[],
         out_shapes=[_codes_struct(x.shape, quant), jax.ShapeDtypeStruct((n_rows,), jnp.float32)],
-        interpret=interpret)
+        interpret=interpret, out_poison=[_codes_poison(quant), float("nan")])
     return _as_fp8(codes, quant), scale

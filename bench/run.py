@@ -1,0 +1,235 @@
+"""``python -m bench``: every op, fused against unfused, XLA and the copy ceiling, device-timed.
+
+Writes ``results.md`` (the tables, also printed), ``results.json`` (every number and the
+environment) and, with matplotlib installed, ``results.png`` (bandwidth against tokens) to
+``--out``. Without a GPU it runs the interpret and reference paths at small sizes and labels the
+numbers as CPU wall-clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform as py_platform
+import subprocess
+import sys
+import time
+
+import jax
+
+import k3pallas as kp
+from k3pallas import platform
+
+from bench import ops as bench_ops
+from bench import shapes, timing
+
+CPU_TOKENS = (1, 7, 64)
+
+
+def _log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def environment(target) -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=os.path.dirname(__file__), timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001 - the commit is informative only
+        commit = ""
+    import jaxlib
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": py_platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "k3pallas": kp.__version__,
+        "git_commit": commit,
+        "backend": target.backend,
+        "device_kind": target.device_kind,
+        "arch": target.arch,
+        "warp_size": target.warp_size,
+        "num_cores": target.num_cores,
+        "fp8_dtype": str(kp.default_fp8_dtype()),
+    }
+
+
+def measure(case: bench_ops.Case, gpu: bool, calls: int, target) -> list[dict]:
+    n_sets = bench_ops.rotation_sets(case.input_bytes, bench_ops.cache_bytes(target)) if gpu else 1
+    sets = [case.make_inputs(s) for s in range(n_sets)]
+    clock = timing.time_device if gpu else timing.time_wall
+    rows = []
+    for name, fn in case.variants.items():
+        t = clock(fn, sets, n_calls=calls)
+        rows.append((name, t))
+    make_copy, copy_fn = bench_ops.copy_variant(case.bytes_moved)
+    copy_sets = [make_copy(s) for s in range(n_sets)]
+    rows.append(("copy", clock(copy_fn, copy_sets, n_calls=calls)))
+    del sets, copy_sets
+    copy_us = rows[-1][1].median_us
+    records = []
+    for name, t in rows:
+        records.append({
+            "op": case.op, "config": case.config, "tokens": case.tokens, "dtype": case.dtype,
+            "variant": name, "clock": t.clock, "median_us": t.median_us, "min_us": t.min_us,
+            "kernels_per_call": t.kernels_per_call, "calls": t.calls,
+            "kernel_names": list(t.kernel_names), "bytes": case.bytes_moved,
+            "gb_per_s": case.bytes_moved / (t.median_us * 1e3) if t.median_us > 0 else None,
+            "pct_of_copy": 100.0 * copy_us / t.median_us if t.median_us > 0 else None,
+            "input_sets": n_sets,
+            "launch_config": (None if name != "k3pallas" or case.launch is None else
+                              {"rows_per_program": case.launch.rows_per_program,
+                               "num_warps": case.launch.num_warps,
+                               "num_stages": case.launch.num_stages}),
+        })
+    return records
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(records: list[dict], env: dict) -> str:
+    gpu = env["backend"] in ("cuda", "rocm")
+    clock = "device time per call (median), from jax.profiler traces" if gpu else (
+        "CPU WALL-CLOCK time per call (median), interpret mode for k3pallas: NOT kernel "
+        "performance, only a check that the command works")
+    out = [f"# k3pallas benchmark: {env['device_kind']} ({env['arch']}), jax {env['jax']}",
+           "", f"Times: {clock}. GB/s counts each input read once and each output written once; "
+           "% copy = copy time / variant time for the same bytes. `us (n)`: time and kernels "
+           "launched per call.", ""]
+    groups = {}
+    for r in records:
+        groups.setdefault((r["op"], r["config"], r["dtype"]), {}).setdefault(r["tokens"], {})[r["variant"]] = r
+    for (op, cfg, dtype), by_t in groups.items():
+        variants = [v for v in ("unfused", "xla") if any(v in d for d in by_t.values())]
+        out.append(f"## {op} · {cfg} · {dtype}")
+        out.append("")
+        head = ["T", "k3pallas us (n)", "GB/s", "% copy"]
+        head += [f"{v} us (n)" for v in variants] + [f"x vs {v}" for v in variants]
+        head += ["copy us", "R, warps"]
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * len(head))
+        for t in sorted(by_t):
+            d = by_t[t]
+            k = d["k3pallas"]
+            cells = [str(t), f"{k['median_us']:.2f} ({k['kernels_per_call']})",
+                     _fmt(k["gb_per_s"], ".0f"), _fmt(k["pct_of_copy"], ".0f")]
+            cells += [f"{d[v]['median_us']:.2f} ({d[v]['kernels_per_call']})" for v in variants]
+            cells += [f"{d[v]['median_us'] / k['median_us']:.2f}" for v in variants]
+            lc = k.get("launch_config")
+            cells += [f"{d['copy']['median_us']:.2f}",
+                      f"{lc['rows_per_program']}, {lc['num_warps']}" if lc else "-"]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(records: list[dict], env: dict, path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _log("matplotlib not installed (pip install -e '.[bench]'): no plot")
+        return False
+    groups = {}
+    for r in records:
+        groups.setdefault((r["op"], r["config"]), []).append(r)
+    n = len(groups)
+    cols = min(3, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
+    for ax, ((op, cfg), rs) in zip(axes.flat, groups.items()):
+        for variant in ("k3pallas", "unfused", "xla", "copy"):
+            pts = sorted((r["tokens"], r["gb_per_s"]) for r in rs if r["variant"] == variant)
+            if pts:
+                style = dict(ls="--", color="gray") if variant == "copy" else dict(marker="o")
+                ax.plot(*zip(*pts), label=variant, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("GB/s (minimum bytes)")
+        ax.set_title(f"{op}\n{cfg}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    clock = "device time" if env["backend"] in ("cuda", "rocm") else "CPU wall-clock"
+    fig.suptitle(f"k3pallas on {env['device_kind']} ({clock}), jax {env['jax']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default=",".join(shapes.OPS),
+                   help=f"comma-separated ops (default: all of {','.join(shapes.OPS)})")
+    p.add_argument("--tokens", default=None,
+                   help="comma-separated token counts (default: "
+                        f"{','.join(map(str, shapes.DEFAULT_TOKENS))} on a GPU, "
+                        f"{','.join(map(str, CPU_TOKENS))} on the CPU)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--configs", default=None,
+                   help="comma-separated model configs (default: each op's own, bench/shapes.py)")
+    p.add_argument("--out", default=os.path.join("bench", "out"), help="output folder")
+    p.add_argument("--calls", type=int, default=30, help="timed calls per variant (>= 20 on GPU)")
+    p.add_argument("--quick", action="store_true",
+                   help="a small fast run: tokens 1 and 64, each op's first config, 5 calls")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    target = platform.current_target()
+    gpu = target.is_gpu
+    impl = "pallas" if gpu else "interpret"
+    op_names = [o for o in args.ops.split(",") if o]
+    for o in op_names:
+        if o not in shapes.OP_CONFIGS:
+            raise SystemExit(f"unknown op {o!r}; known: {', '.join(shapes.OPS)}")
+    if args.tokens:
+        tokens = [int(t) for t in args.tokens.split(",")]
+    elif args.quick:
+        tokens = list(shapes.QUICK_TOKENS)
+    else:
+        tokens = list(shapes.DEFAULT_TOKENS if gpu else CPU_TOKENS)
+    calls = 5 if args.quick else args.calls
+    env = environment(target)
+    env.update({"impl": impl, "dtype": args.dtype, "calls": calls,
+                "clock": "device" if gpu else "wall", "argv": sys.argv[1:] if argv is None else argv})
+    if not gpu:
+        _log(f"No GPU target ({target.backend}): running the interpret and reference paths; "
+             "the numbers are CPU WALL-CLOCK times, not kernel performance.")
+    jobs = []
+    for op in op_names:
+        cfgs = args.configs.split(",") if args.configs else list(shapes.OP_CONFIGS[op])
+        if args.quick and not args.configs:
+            cfgs = cfgs[:1]
+        for cfg in cfgs:
+            for t in tokens:
+                jobs.append((op, cfg, t))
+    records = []
+    t_start = time.time()
+    for i, (op, cfg, t) in enumerate(jobs, 1):
+        case = bench_ops.make_case(op, cfg, t, args.dtype, impl)
+        recs = measure(case, gpu, calls, target)
+        records += recs
+        k = next(r for r in recs if r["variant"] == "k3pallas")
+        _log(f"[{i}/{len(jobs)} {time.time() - t_start:6.1f}s] {op} {cfg} T={t}: k3pallas "
+             f"{k['median_us']:.2f} us ({k['kernels_per_call']} kernels), "
+             f"{_fmt(k['pct_of_copy'], '.0f')}% of copy")
+    os.makedirs(args.out, exist_ok=True)
+    md = markdown(records, env)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"environment": env, "records": records}, f, indent=1)
+    plotted = plot(records, env, os.path.join(args.out, "results.png"))
+    print(md)
+    _log(f"wrote {args.out}/results.md, results.json" + (", results.png" if plotted else ""))
+    return 0

@@ -1,0 +1,208 @@
+"""``python -m bench.tune``: sweep launch configs on the GPU and write the per-platform table.
+
+For each op, model config and token count it times every (rows per program, num_warps) pair with
+device-side timing (the kernels have no loop, so ``num_stages`` stays 1), and compares the best
+with the heuristic default. ``--write`` merges the winners into ``k3pallas/tuned_configs.json``
+under the device's architecture, which ``k3pallas.platform.launch_config`` reads. Results (every
+point) go to ``--out``/tune.json and a summary table to tune.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from k3pallas import fp8 as fp8_lib
+from k3pallas import platform
+from k3pallas.kernels import common, gated_fp8, rmsnorm as rmsnorm_kernels
+
+from bench import ops as bench_ops
+from bench import shapes, timing
+
+TOKENS = (1, 64, 512, 4096, 65536)
+ROWS = (1, 2, 4, 8, 16)
+WARPS = (1, 2, 4, 8, 16)
+TUNE_OPS = {  # op -> model config swept (row sizes of other configs fall back to the heuristic)
+    "fused_q_kv_rmsnorm": ("deepseek-v3-mla",),
+    "rmsnorm": ("deepseek-v3-mla",),
+    "rmsnorm_gated": ("kimi-linear-kda", "kimi-k3-kda-tp8"),
+    "rmsnorm_gated_fp8": ("kimi-linear-kda", "kimi-k3-kda-tp8", "kimi-k3-kda"),
+    "per_token_fp8_quant": ("kimi-linear-kda",),
+}
+
+
+def _kernel_fn(op, cfg_name, dtype, quant):
+    """(make_inputs(seed, T), fn(config, *inputs), row_elems, max_tile) for one op and shape."""
+    cfg = shapes.config(cfg_name)
+    dt = jnp.dtype(dtype)
+    rand = bench_ops._rand
+    if op in ("fused_q_kv_rmsnorm", "rmsnorm"):
+        widths = (cfg.q_lora_rank, cfg.kv_lora_rank) if op == "fused_q_kv_rmsnorm" else (cfg.q_lora_rank,)
+
+        def make(seed, t):
+            ks = jax.random.split(jax.random.PRNGKey(seed), 2 * len(widths))
+            return tuple(rand(ks[i], (t, w), dt) for i, w in enumerate(widths)) + tuple(
+                rand(ks[len(widths) + i], (w,), dt) for i, w in enumerate(widths))
+
+        def fn(config, *a):
+            n = len(widths)
+            return rmsnorm_kernels.rmsnorm_rows(list(a[:n]), list(a[n:]), [cfg.eps] * n, op=op,
+                                                interpret=False, config=config)
+        return make, fn, rmsnorm_kernels.row_elems(widths)
+    if op in ("rmsnorm_gated", "rmsnorm_gated_fp8"):
+        h, d = cfg.heads, cfg.head_dim
+
+        def make(seed, t):
+            ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+            return rand(ks[0], (t, h, d), dt), rand(ks[1], (t, h, d), dt), rand(ks[2], (d,), jnp.float32)
+
+        def fn(config, x, g, w):
+            return gated_fp8.rmsnorm_gated_rows(x, g, w, eps=cfg.eps, activation="sigmoid",
+                                                quant=quant if op == "rmsnorm_gated_fp8" else None,
+                                                interpret=False, config=config)
+        return make, fn, gated_fp8.gated_row_elems(h, d)
+    n = cfg.heads * cfg.head_dim
+
+    def make(seed, t):
+        return (rand(jax.random.PRNGKey(seed), (t, n), dt),)
+
+    def fn(config, x):
+        return gated_fp8.per_token_fp8_rows(x, quant=quant, interpret=False, config=config)
+    return make, fn, (common.pow2(n), common.pow2(n))
+
+
+def bytes_per_token(op, cfg_name, itemsize):
+    cfg = shapes.config(cfg_name)
+    if op in ("fused_q_kv_rmsnorm", "rmsnorm"):
+        w = cfg.q_lora_rank + (cfg.kv_lora_rank if op == "fused_q_kv_rmsnorm" else 0)
+        return 2 * w * itemsize
+    n = cfg.heads * cfg.head_dim
+    if op == "rmsnorm_gated":
+        return 3 * n * itemsize
+    if op == "rmsnorm_gated_fp8":
+        return 2 * n * itemsize + n + 4
+    return n * itemsize + n + 4
+
+
+def sweep(ops, tokens, dtype, calls, log=print):
+    target = platform.current_target()
+    quant = fp8_lib.resolve_fp8_params(target=target)
+    points = []
+    for op in ops:
+        for cfg_name in TUNE_OPS[op]:
+            make, fn, (row_elems, max_tile) = _kernel_fn(op, cfg_name, dtype, quant)
+            for t in tokens:
+                per_set = bytes_per_token(op, cfg_name, jnp.dtype(dtype).itemsize) * t
+                sets = [make(s, t) for s in range(bench_ops.rotation_sets(per_set, bench_ops.cache_bytes(target)))]
+                default = platform.heuristic_config(op, t, row_elems, max_tile, target)
+                results = []
+                for rows, warps in itertools.product(ROWS, WARPS):
+                    if rows > max(1, common.pow2(t)):
+                        continue
+                    config = platform.LaunchConfig(rows, warps, 1)
+                    if rows * max_tile // (warps * target.warp_size) > 256:
+                        continue  # more than 256 elements of a tile per thread: spills for sure
+                    f = jax.jit(lambda *a, _c=config: fn(_c, *a))
+                    try:
+                        tm = timing.time_device(f, sets, n_calls=calls)
+                    except Exception as e:  # noqa: BLE001 - a config that fails to compile is data
+                        log(f"  {op} {cfg_name} T={t} R={rows} w={warps}: failed: {str(e)[:120]}")
+                        continue
+                    results.append({"rows": rows, "warps": warps, "us": tm.median_us})
+                best = min(results, key=lambda r: r["us"])
+                dflt = next((r for r in results if r["rows"] == default.rows_per_program
+                             and r["warps"] == default.num_warps), None)
+                points.append({"op": op, "config": cfg_name, "tokens": t, "row_elems": row_elems,
+                               "bytes": per_set, "best": best,
+                               "default": {"rows": default.rows_per_program,
+                                           "warps": default.num_warps,
+                                           "us": dflt["us"] if dflt else None},
+                               "all": results})
+                log(f"{op} {cfg_name} T={t}: best R={best['rows']} w={best['warps']} "
+                    f"{best['us']:.2f} us; heuristic R={default.rows_per_program} "
+                    f"w={default.num_warps} {dflt['us'] if dflt else float('nan'):.2f} us")
+    return target, points
+
+
+def table(points) -> dict:
+    """{op: [[max_rows, row_elems, rows, warps, 1], ...]} from the sweep's winners."""
+    out = {}
+    for p in sorted(points, key=lambda p: (p["op"], p["row_elems"], p["tokens"])):
+        out.setdefault(p["op"], []).append(
+            [p["tokens"], p["row_elems"], p["best"]["rows"], p["best"]["warps"], 1])
+    for entries in out.values():  # the largest measured T of each row size covers all larger T
+        last = {}
+        for e in entries:
+            last[e[1]] = e
+        for e in last.values():
+            e[0] = 2**31
+    return out
+
+
+def markdown(target, points) -> str:
+    lines = [f"# Launch-config sweep on {target.device_kind} ({target.arch})", "",
+             "Device time per call (median). `best` is the fastest (rows per program, num_warps); "
+             "`heuristic` is `platform.heuristic_config`.", "",
+             "| op | config | T | best R, warps | best us | heuristic R, warps | heuristic us | heuristic / best |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        b, d = p["best"], p["default"]
+        ratio = f"{d['us'] / b['us']:.2f}" if d["us"] else "-"
+        lines.append(f"| {p['op']} | {p['config']} | {p['tokens']} | {b['rows']}, {b['warps']} | "
+                     f"{b['us']:.2f} | {d['rows']}, {d['warps']} | "
+                     f"{d['us'] if d['us'] is None else format(d['us'], '.2f')} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default=",".join(TUNE_OPS))
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--out", default=os.path.join("bench", "out"))
+    p.add_argument("--write", action="store_true", help="merge the winners into tuned_configs.json")
+    args = p.parse_args(argv)
+    target = platform.current_target()
+    if not target.is_gpu:
+        raise SystemExit("bench.tune needs a GPU (it times compiled kernels)")
+    t0 = time.time()
+    target, points = sweep([o for o in args.ops.split(",") if o],
+                           [int(t) for t in args.tokens.split(",")], args.dtype, args.calls,
+                           log=lambda m: print(f"[{time.time() - t0:6.1f}s] {m}", file=sys.stderr, flush=True))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "tune.json"), "w") as f:
+        json.dump({"device_kind": target.device_kind, "arch": target.arch, "jax": jax.__version__,
+                   "dtype": args.dtype, "points": points}, f, indent=1)
+    md = markdown(target, points)
+    with open(os.path.join(args.out, "tune.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+    if args.write:
+        path = platform._TUNED_PATH
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            data = {}
+        data.setdefault("configs", {})[target.arch] = table(points)
+        data["note"] = ("written by python -m bench.tune --write; rows: [max_tokens, padded row "
+                        "elements, rows_per_program, num_warps, num_stages]")
+        data.setdefault("sources", {})[target.arch] = {"device_kind": target.device_kind,
+                                                       "jax": jax.__version__, "dtype": args.dtype}
+        with open(os.path.join(args.out, "tuned_configs.json"), "w") as f:
+            json.dump(data, f, indent=1)
+        print(f"wrote {args.out}/tuned_configs.json (copy it to {path})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

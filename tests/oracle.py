@@ -1,0 +1,129 @@
+"""Independent float64 NumPy oracles and the checks the tests share.
+
+Nothing here calls k3pallas: the semantics are written again from the docstrings.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+# Output tolerances against the float64 oracle, per output dtype (atol = rtol). bf16 follows
+# vLLM's own RMSNorm test; fp16 and fp32 are a few units in the last place of the output.
+ORACLE_TOL = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}
+# Kernel against the jnp reference in the same output dtype: one rounding step apart at most.
+REFERENCE_TOL = {"bfloat16": 8e-3, "float16": 1e-3, "float32": 2e-6}
+
+
+def f64(a):
+    return np.asarray(a).astype(np.float64)
+
+
+def rmsnorm64(x, w, eps):
+    x = f64(x)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * f64(w)
+
+
+def sigmoid64(g):
+    return 1.0 / (1.0 + np.exp(-g))
+
+
+def gated64(x, w, g, eps, activation):
+    g = f64(g)
+    act = sigmoid64(g) if activation == "sigmoid" else g * sigmoid64(g)
+    return rmsnorm64(x, w, eps) * act
+
+
+def assert_close(out, ref, tol, what=""):
+    out, ref = f64(out), f64(ref)
+    assert out.shape == ref.shape, (what, out.shape, ref.shape)
+    assert not np.isnan(out).any(), f"{what}: NaN in output (unwritten element?)"
+    err = np.abs(out - ref)
+    bound = tol + tol * np.abs(ref)
+    bad = err > bound
+    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} elements off; worst "
+                           f"{err.max():.3g} at {np.unravel_index(err.argmax(), err.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8
+# ---------------------------------------------------------------------------------------------
+
+FP8 = {
+    "float8_e4m3fn": (ml_dtypes.float8_e4m3fn, 448.0),
+    "float8_e4m3fnuz": (ml_dtypes.float8_e4m3fnuz, 240.0),
+    "float8_e5m2": (ml_dtypes.float8_e5m2, 57344.0),
+}
+DEFAULT_FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e4m3fnuz": 224.0, "float8_e5m2": 57344.0}
+
+
+def fp8_grid(name):
+    """Sorted distinct finite values of the format (with 0 once)."""
+    dt = FP8[name][0]
+    vals = np.arange(256, dtype=np.uint8).view(dt).astype(np.float64)
+    return np.unique(vals[np.isfinite(vals)])
+
+
+def quant_oracle(y, name, fp8_max=None, min_scale=None, scale_ub=None):
+    """float64 per-token FP8 of ``y [T, N]``: ``(scale [T], v [T, N])`` where ``v`` is the exact
+    clamped ``y / scale`` that the codes should round to."""
+    y = f64(y)
+    fp8_max = DEFAULT_FP8_MAX[name] if fp8_max is None else fp8_max
+    min_scale = 1.0 / (fp8_max * 512.0) if min_scale is None else min_scale
+    amax = np.max(np.abs(y), axis=-1) if y.shape[-1] else np.zeros(y.shape[:-1])
+    nan_rows = np.isnan(y).any(axis=-1)
+    if scale_ub is not None:
+        amax = np.minimum(amax, scale_ub)
+    scale = np.maximum(amax / fp8_max, min_scale)
+    scale[nan_rows] = np.nan
+    with np.errstate(invalid="ignore"):
+        v = np.clip(y / scale[..., None], -fp8_max, fp8_max)
+    return scale, v
+
+
+def rne_to_grid(v, grid):
+    """Round ``v`` to the nearest grid value, ties to the even code (the one with an even
+    mantissa: on every fp8 grid those alternate with the grid index of the magnitude)."""
+    a = np.abs(v)
+    pos = grid[grid >= 0]
+    hi = np.clip(np.searchsorted(pos, a), 0, len(pos) - 1)
+    lo = np.clip(hi - 1, 0, len(pos) - 1)
+    d_lo, d_hi = a - pos[lo], pos[hi] - a
+    pick = np.where(d_lo < d_hi, lo, np.where(d_hi < d_lo, hi, np.where(lo % 2 == 0, lo, hi)))
+    return np.sign(v) * pos[pick]
+
+
+def check_codes(data, v, name, tie_rtol=1e-5, what=""):
+    """Codes must be the RNE of ``v`` except within ``tie_rtol`` of a midpoint, and never more
+    than one code from it; so the dequantized value is within half a code step (plus that slack).
+
+    ``v`` NaN (a NaN row) requires NaN codes.
+    """
+    got = f64(data)
+    grid = fp8_grid(name)
+    nan_v = np.isnan(v)
+    assert np.isnan(got[nan_v]).all(), f"{what}: a NaN row has non-NaN codes"
+    assert not np.isnan(got[~nan_v]).any(), (
+        f"{what}: {int(np.isnan(got[~nan_v]).sum())} NaN codes in finite rows (unwritten?)")
+    got, v = got[~nan_v], v[~nan_v]
+    want = rne_to_grid(v, grid)
+    diff = got != want
+    if diff.any():
+        # Must be a neighbour of want, with v within tie_rtol of the midpoint between the two.
+        gi = np.searchsorted(grid, got[diff])
+        wi = np.searchsorted(grid, want[diff])
+        assert (np.abs(gi - wi) <= 1).all(), f"{what}: codes more than one step from RNE"
+        mid = (got[diff] + want[diff]) / 2
+        near = np.abs(v[diff] - mid) <= tie_rtol * np.maximum(np.abs(mid), grid[grid > 0][0])
+        assert near.all(), (f"{what}: {int((~near).sum())} codes differ from RNE away from a tie; "
+                            f"e.g. v={v[diff][~near][:3]}, got={got[diff][~near][:3]}, "
+                            f"want={want[diff][~near][:3]}")
+    return diff.sum()
+
+
+def check_scales(scale, scale64, rtol=1e-6, what=""):
+    s = f64(scale).reshape(scale64.shape)
+    assert np.array_equal(np.isnan(s), np.isnan(scale64)), f"{what}: NaN scales differ"
+    ok = ~np.isnan(scale64)
+    rel = np.abs(s[ok] - scale64[ok]) / scale64[ok]
+    assert (rel <= rtol).all(), f"{what}: scale rel err {rel.max():.3g} > {rtol}"
