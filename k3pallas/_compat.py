@@ -5,6 +5,8 @@ Nothing else in the package imports private jax internals or checks ``jax.__vers
 
 from __future__ import annotations
 
+import re
+
 import jax
 from jax.experimental import pallas as pl  # noqa: F401  (re-exported for the kernel modules)
 from jax.experimental.pallas import triton as plgpu
@@ -59,3 +61,21 @@ def lower_for(fn, args, device_kind: str, platform: str):
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
     with jax.sharding.use_abstract_mesh(abstract_mesh(device_kind, platform)):
         return jax.jit(fn).trace(*structs).lower(lowering_platforms=(platform,))
+
+
+_LAUNCH_FIELD = re.compile(r"\b(name|num_warps|num_stages|grid_x|grid_y|grid_z) = (\"[^\"]*\"|\d+)")
+
+
+def triton_launches(module_text: str) -> list[dict]:
+    """The Triton custom calls of a lowered module's text, with their launch parameters.
+
+    Each ``__gpu$xla.gpu.triton`` call carries ``name``, ``num_warps``, ``num_stages`` and
+    ``grid_x/y/z`` in its ``mhlo.backend_config`` dictionary (the IR itself is bytecode beside
+    them, key ``ir``).
+    """
+    launches = []
+    for chunk in module_text.split("__gpu$xla.gpu.triton")[1:]:
+        end = chunk.find("\n")
+        fields = dict(_LAUNCH_FIELD.findall(chunk[: end if end > 0 else None]))
+        launches.append({k: (v.strip('"') if k == "name" else int(v)) for k, v in fields.items()})
+    return launches

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One GPU-machine session: GPU tests, a trace sample, the benchmark and the launch-config sweep,
+# all written under $OUT (the device tool brings that folder back). Usage, on the GPU machine:
+#   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace]
+set -uo pipefail
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT=${OUT:?set OUT}
+steps=${*:-tests trace bench tune}
+BENCH_ARGS=${BENCH_ARGS:-}
+TUNE_ARGS=${TUNE_ARGS:-}
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; python3 -c 'import jax, jaxlib, sys; print(sys.version.split()[0], jax.__version__, jaxlib.__version__, jax.devices())'; } 2>&1 | tee "$OUT/env.txt"
+for step in $steps; do
+  start=$(date +%s)
+  case $step in
+    tests) timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -m gpu tests -q -p no:cacheprovider -x -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    trace) timeout 60 python3 -m bench.trace_dump "$OUT/trace_sample.json" 2>&1 | tail -8 ;;
+    bench) timeout ${BENCH_TIMEOUT:-300} python3 -m bench --out "$OUT" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" | grep -v '^\[' | tail -60 ;;
+    tune) timeout ${TUNE_TIMEOUT:-240} python3 -m bench.tune --out "$OUT" $TUNE_ARGS 2>"$OUT/tune.log" | tail -40 ;;
+  esac
+  echo "== $step took $(( $(date +%s) - start )) s"
+done

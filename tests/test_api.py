@@ -1,0 +1,264 @@
+"""The public API's contract: argument errors, impl selection, jit / vmap, zero rows, any leading
+shape, and the inference-only gradient error."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import k3pallas as kp
+
+from oracle import ORACLE_TOL, assert_close, gated64, rmsnorm64
+
+
+def _qkv(rng, lead=(4,), dq=64, dkv=16, dtype=jnp.float32):
+    return (jnp.asarray(rng.standard_normal(lead + (dq,)), dtype),
+            jnp.asarray(rng.standard_normal(lead + (dkv,)), dtype),
+            jnp.asarray(rng.standard_normal(dq), jnp.float32),
+            jnp.asarray(rng.standard_normal(dkv), jnp.float32))
+
+
+def _gated(rng, lead=(4,), h=3, d=32):
+    return (jnp.asarray(rng.standard_normal(lead + (h, d)), jnp.float32),
+            jnp.asarray(rng.standard_normal(d), jnp.float32),
+            jnp.asarray(rng.standard_normal(lead + (h, d)), jnp.float32))
+
+
+# Every op called with good arguments, for the error and gradient tests below.
+def all_ops(rng):
+    q, kv, wq, wkv = _qkv(rng)
+    x, w, g = _gated(rng)
+    return {
+        "fused_q_kv_rmsnorm": (kp.fused_q_kv_rmsnorm, (q, kv, wq, wkv)),
+        "rmsnorm": (kp.rmsnorm, (q, wq)),
+        "rmsnorm_gated": (kp.rmsnorm_gated, (x, w, g)),
+        "rmsnorm_gated_fp8_per_token": (kp.rmsnorm_gated_fp8_per_token, (x, w, g)),
+        "per_token_fp8_quant": (kp.per_token_fp8_quant, (q,)),
+    }
+
+
+OPS = ["fused_q_kv_rmsnorm", "rmsnorm", "rmsnorm_gated", "rmsnorm_gated_fp8_per_token",
+       "per_token_fp8_quant"]
+IMPLS = ["interpret", "reference"]
+
+
+def _first_float(out):
+    return jax.tree_util.tree_leaves(out)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# impl
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_unknown_impl(rng, op):
+    fn, args = all_ops(rng)[op]
+    with pytest.raises(ValueError, match="impl must be one of"):
+        fn(*args, impl="triton")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_pallas_without_gpu_is_an_error_not_a_fallback(rng, op):
+    if kp.current_target().is_gpu:
+        pytest.skip("this machine has a GPU target")
+    fn, args = all_ops(rng)[op]
+    with pytest.raises(RuntimeError, match="needs a GPU target"):
+        fn(*args, impl="pallas")
+
+
+def test_auto_is_reference_on_cpu(rng):
+    if kp.current_target().is_gpu:
+        pytest.skip("this machine has a GPU target")
+    q, kv, wq, wkv = _qkv(rng)
+    text = jax.jit(lambda *a: kp.fused_q_kv_rmsnorm(*a)).lower(q, kv, wq, wkv).as_text()
+    assert "pallas" not in text and "triton" not in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: each error names the argument
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fused_bad_inputs(rng):
+    q, kv, wq, wkv = _qkv(rng)
+    f = kp.fused_q_kv_rmsnorm
+    with pytest.raises(ValueError, match=r"q_c and kv_c must have the same leading dims.*\(4, 64\).*\(3, 16\)"):
+        f(q, kv[:3], wq, wkv)
+    with pytest.raises(ValueError, match=r"q_weight must have shape \(64,\).*\(63,\)"):
+        f(q, kv, wq[:63], wkv)
+    with pytest.raises(ValueError, match=r"kv_weight must have shape \(16,\)"):
+        f(q, kv, wq, wq)
+    with pytest.raises(ValueError, match="kv_weight must have shape"):
+        f(q, kv, wq, wkv[None])
+    with pytest.raises(TypeError, match="q_c must have a floating dtype.*int32"):
+        f(q.astype(jnp.int32), kv, wq, wkv)
+    with pytest.raises(TypeError, match="kv_weight must have a floating dtype.*bool"):
+        f(q, kv, wq, wkv > 0)
+    with pytest.raises(TypeError, match="q_c must have a floating dtype.*float8_e4m3fn"):
+        f(q.astype(jnp.float8_e4m3fn), kv, wq, wkv)
+    with pytest.raises(ValueError, match="q_c must have rank >= 1"):
+        f(q[0, 0], kv, wq, wkv)
+    with pytest.raises(TypeError, match="q_c must be an array"):
+        f([[1.0]], kv, wq, wkv)
+    for bad in (0.0, -1e-6, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="eps must be finite and > 0"):
+            f(q, kv, wq, wkv, bad)
+    with pytest.raises(ValueError, match="kv_eps must be finite and > 0"):
+        f(q, kv, wq, wkv, kv_eps=0.0)
+    with pytest.raises(TypeError, match="eps must be a Python float"):
+        f(q, kv, wq, wkv, "1e-6")
+    with pytest.raises(TypeError, match="eps must be a Python float"):
+        jax.jit(lambda e: f(q, kv, wq, wkv, e))(1e-6)  # a traced eps is not static
+    with pytest.raises(ValueError, match="non-empty trailing dims"):
+        f(q[:, :0], kv, wq[:0], wkv)
+
+
+def test_rmsnorm_bad_inputs(rng):
+    q, _, wq, _ = _qkv(rng)
+    with pytest.raises(ValueError, match=r"weight must have shape \(64,\)"):
+        kp.rmsnorm(q, wq[:10])
+    with pytest.raises(ValueError, match="x must have rank >= 1"):
+        kp.rmsnorm(jnp.float32(1.0), wq)
+    with pytest.raises(TypeError, match="x must have a floating dtype"):
+        kp.rmsnorm(q.astype(jnp.int8), wq)
+    with pytest.raises(ValueError, match="eps must be finite"):
+        kp.rmsnorm(q, wq, -1.0)
+
+
+def test_gated_bad_inputs(rng):
+    x, w, g = _gated(rng)
+    for f in (kp.rmsnorm_gated, kp.rmsnorm_gated_fp8_per_token):
+        with pytest.raises(ValueError, match=r"gate must have the shape of x.*\(4, 3, 31\).*\(4, 3, 32\)"):
+            f(x, w, g[..., :31])
+        with pytest.raises(ValueError, match=r"weight must have shape \(32,\)"):
+            f(x, w[:8], g)
+        with pytest.raises(ValueError, match="x must have rank >= 2"):
+            f(x[0, 0], w, g[0, 0])
+        with pytest.raises(TypeError, match="gate must have a floating dtype.*int32"):
+            f(x, w, g.astype(jnp.int32))
+        with pytest.raises(ValueError, match="activation must be one of"):
+            f(x, w, g, activation="relu")
+        with pytest.raises(ValueError, match="eps must be finite"):
+            f(x, w, g, float("nan"))
+        with pytest.raises(ValueError, match="non-empty trailing dims"):
+            f(x[:, :0], w, g[:, :0])
+
+
+@pytest.mark.parametrize("op", ["rmsnorm_gated_fp8_per_token", "per_token_fp8_quant"])
+def test_fp8_option_errors(rng, op):
+    fn, args = all_ops(rng)[op]
+    with pytest.raises(TypeError, match="fp8_dtype must be one of"):
+        fn(*args, fp8_dtype=jnp.int8)
+    with pytest.raises(TypeError, match="fp8_dtype must be one of"):
+        fn(*args, fp8_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"fp8_max=300.0 exceeds the largest finite float8_e4m3fnuz value 240"):
+        fn(*args, fp8_dtype=jnp.float8_e4m3fnuz, fp8_max=300.0)
+    with pytest.raises(ValueError, match="exceeds the largest finite float8_e4m3fn value 448"):
+        fn(*args, fp8_dtype=jnp.float8_e4m3fn, fp8_max=449.0)
+    for name in ("fp8_max", "min_scale", "scale_ub"):
+        with pytest.raises(ValueError, match=f"{name} must be finite and > 0"):
+            fn(*args, **{name: 0.0})
+        with pytest.raises(ValueError, match=f"{name} must be finite and > 0"):
+            fn(*args, **{name: float("inf")})
+        with pytest.raises(TypeError, match=f"{name} must be a Python float"):
+            fn(*args, **{name: jnp.float32(1.0)})
+    with pytest.raises(ValueError, match=f"{op}: impl must be one of"):
+        fn(*args, impl="cuda")
+
+
+def test_fp8_defaults():
+    assert kp.FP8_E4M3FN_MAX == 448.0 and kp.FP8_E4M3FNUZ_MAX == 224.0
+    assert kp.FP8_E4M3FNUZ_MAX_AITER == 240.0 and kp.FP8_E5M2_MAX == 57344.0
+    from k3pallas import fp8, platform
+
+    cases = {("gfx942", "rocm"): jnp.float8_e4m3fnuz, ("AMD Instinct MI300X", "rocm"): jnp.float8_e4m3fnuz,
+             ("AMD Instinct MI325X", "rocm"): jnp.float8_e4m3fnuz, ("gfx950", "rocm"): jnp.float8_e4m3fn,
+             ("AMD Instinct MI355X", "rocm"): jnp.float8_e4m3fn, ("NVIDIA H200", "cuda"): jnp.float8_e4m3fn,
+             ("cpu", "cpu"): jnp.float8_e4m3fn}
+    for (kind, plat), want in cases.items():
+        assert kp.default_fp8_dtype(platform.target_for(kind, plat)) == jnp.dtype(want), kind
+    p = fp8.resolve_fp8_params(jnp.float8_e4m3fnuz, target=platform.target_for("gfx942", "rocm"))
+    assert p.fp8_max == 224.0 and p.min_scale == 1.0 / (224.0 * 512) and p.scale_ub is None
+    assert not p.native_cast  # the lowering refuses fnuz casts
+    p = fp8.resolve_fp8_params(target=platform.target_for("gfx942", "rocm"))
+    assert p.dtype == jnp.float8_e4m3fnuz
+    assert kp.default_fp8_dtype() == jnp.dtype(jnp.float8_e4m3fn) or kp.current_target().is_gpu
+    with jax.sharding.use_abstract_mesh(__import__("k3pallas._compat", fromlist=["x"]).abstract_mesh("gfx942", "rocm")):
+        assert kp.default_fp8_dtype() == jnp.dtype(jnp.float8_e4m3fnuz)
+
+
+# ---------------------------------------------------------------------------------------------
+# jit, vmap, leading shapes, zero rows
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_jit_vmap_and_leading_shapes(rng, impl):
+    q, kv, wq, wkv = _qkv(rng, lead=(2, 3))
+    eager = kp.fused_q_kv_rmsnorm(q, kv, wq, wkv, impl=impl)
+    jitted = jax.jit(lambda *a: kp.fused_q_kv_rmsnorm(*a, impl=impl))(q, kv, wq, wkv)
+    vmapped = jax.vmap(lambda a, b: kp.fused_q_kv_rmsnorm(a, b, wq, wkv, impl=impl))(q, kv)
+    for out in (eager, jitted, vmapped):
+        assert_close(out[0], rmsnorm64(q, wq, 1e-6), ORACLE_TOL["float32"])
+        assert_close(out[1], rmsnorm64(kv, wkv, 1e-6), ORACLE_TOL["float32"])
+    x, w, g = _gated(rng, lead=(2, 3))
+    y = jax.vmap(lambda a, b: kp.rmsnorm_gated(a, w, b, impl=impl))(x, g)
+    assert_close(y, gated64(x, w, g, 1e-5, "sigmoid"), ORACLE_TOL["float32"])
+    qa = jax.vmap(lambda a, b: kp.rmsnorm_gated_fp8_per_token(a, w, b, impl=impl))(x, g)
+    assert qa.data.shape == (2, 3, 96) and qa.scale.shape == (2, 3, 1)
+    direct = kp.rmsnorm_gated_fp8_per_token(x, w, g, impl=impl)
+    assert np.array_equal(np.asarray(qa.scale), np.asarray(direct.scale))
+    assert np.array_equal(np.asarray(qa.data).view(np.uint8), np.asarray(direct.data).view(np.uint8))
+    qb = jax.jit(jax.vmap(lambda a: kp.per_token_fp8_quant(a, impl=impl)))(q)
+    assert qb.data.shape == q.shape and qb.scale.shape == (2, 3, 1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_zero_rows(rng, impl):
+    q, kv, wq, wkv = _qkv(rng, lead=(0, 5))
+    x, w, g = _gated(rng, lead=(3, 0))
+    outs = {
+        "fused": kp.fused_q_kv_rmsnorm(q, kv, wq, wkv, impl=impl),
+        "rmsnorm": kp.rmsnorm(q, wq, impl=impl),
+        "gated": kp.rmsnorm_gated(x, w, g, impl=impl),
+        "gated_fp8": kp.rmsnorm_gated_fp8_per_token(x, w, g, impl=impl),
+        "quant": kp.per_token_fp8_quant(q, impl=impl),
+    }
+    assert outs["fused"][0].shape == (0, 5, 64) and outs["fused"][1].shape == (0, 5, 16)
+    assert outs["rmsnorm"].shape == (0, 5, 64)
+    assert outs["gated"].shape == (3, 0, 3, 32)
+    assert outs["gated_fp8"].data.shape == (3, 0, 96) and outs["gated_fp8"].scale.shape == (3, 0, 1)
+    assert outs["quant"].data.shape == (0, 5, 64) and outs["quant"].scale.shape == (0, 5, 1)
+    if impl != "reference":  # no kernel is launched for zero rows
+        text = jax.jit(lambda *a: kp.fused_q_kv_rmsnorm(*a, impl=impl)).lower(q, kv, wq, wkv).as_text()
+        assert "pallas" not in text.lower()
+
+
+# ---------------------------------------------------------------------------------------------
+# Inference only
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_gradient_raises(rng, op, impl):
+    fn, args = all_ops(rng)[op]
+
+    def loss(a0):
+        return jnp.sum(_first_float(fn(a0, *args[1:], impl=impl)).astype(jnp.float32))
+
+    with pytest.raises(TypeError, match="inference-only"):
+        jax.grad(loss)(args[0])
+    with pytest.raises(TypeError, match="inference-only"):
+        jax.jvp(loss, (args[0],), (jnp.ones_like(args[0]),))
+
+
+def test_no_custom_vjp_in_package():
+    import pathlib
+
+    root = pathlib.Path(kp.__file__).parent
+    for path in root.rglob("*.py"):
+        assert "custom_vjp" not in path.read_text(), path
