@@ -91,12 +91,12 @@ def bytes_per_token(op, cfg_name, itemsize):
     return n * itemsize + n + 4
 
 
-def sweep(ops, tokens, dtype, calls, log=print):
+def sweep(ops, tokens, dtype, calls, log=print, configs=None):
     target = platform.current_target()
     quant = fp8_lib.resolve_fp8_params(target=target)
     points = []
     for op in ops:
-        for cfg_name in TUNE_OPS[op]:
+        for cfg_name in [c for c in TUNE_OPS[op] if configs is None or c in configs]:
             make, fn, (row_elems, max_tile) = _kernel_fn(op, cfg_name, dtype, quant)
             for t in tokens:
                 per_set = bytes_per_token(op, cfg_name, jnp.dtype(dtype).itemsize) * t
@@ -166,6 +166,7 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default=",".join(TUNE_OPS))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--configs", default=None, help="only these model configs (default: all)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--out", default=os.path.join("bench", "out"))
@@ -177,7 +178,8 @@ def main(argv=None):
     t0 = time.time()
     target, points = sweep([o for o in args.ops.split(",") if o],
                            [int(t) for t in args.tokens.split(",")], args.dtype, args.calls,
-                           log=lambda m: print(f"[{time.time() - t0:6.1f}s] {m}", file=sys.stderr, flush=True))
+                           log=lambda m: print(f"[{time.time() - t0:6.1f}s] {m}", file=sys.stderr, flush=True),
+                           configs=args.configs.split(",") if args.configs else None)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tune.json"), "w") as f:
         json.dump({"device_kind": target.device_kind, "arch": target.arch, "jax": jax.__version__,
