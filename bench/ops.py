@@ -128,11 +128,15 @@ def make_case(op: str, config_name: str, tokens: int, dtype: str, impl: str) -> 
                 launch if impl == "pallas" else None)
 
 
-def copy_variant(bytes_moved: int):
-    """A jitted device copy of ``bytes_moved / 2`` bytes (read + write = ``bytes_moved``)."""
-    n = max(1, bytes_moved // 2)
-    make = lambda seed: (jnp.full((n,), seed % 251, jnp.uint8),)  # noqa: E731
-    return make, jax.jit(lambda a: a.copy())
+def copy_variants(bytes_moved: int):
+    """Two jitted copies of ``bytes_moved / 2`` bytes (read + write = ``bytes_moved``): XLA's
+    device-to-device memcpy, and an XLA elementwise kernel (uint32 xor with a runtime scalar, which
+    XLA cannot fold away). The faster is the ceiling: the memcpy is slower at mid sizes."""
+    n = max(1, bytes_moved // 8)
+
+    def make(seed):
+        return jnp.full((n,), seed, jnp.uint32), jnp.uint32(seed)
+    return make, {"memcpy": jax.jit(lambda a, s: a.copy()), "xor_kernel": jax.jit(lambda a, s: a ^ s)}
 
 
 # Last-level cache per device, for input rotation: H100/H200 L2, MI300X/MI325X/MI355X Infinity Cache.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -26,8 +27,8 @@ from k3pallas.kernels import common, gated_fp8, rmsnorm as rmsnorm_kernels
 from bench import ops as bench_ops
 from bench import shapes, timing
 
-TOKENS = (1, 64, 512, 4096, 65536)
-ROWS = (1, 2, 4, 8, 16)
+TOKENS = (1, 512, 4096, 65536)
+ROWS = (1, 2, 4)
 WARPS = (1, 2, 4, 8, 16)
 TUNE_OPS = {  # op -> model config swept (row sizes of other configs fall back to the heuristic)
     "fused_q_kv_rmsnorm": ("deepseek-v3-mla",),
@@ -107,8 +108,9 @@ def sweep(ops, tokens, dtype, calls, log=print, configs=None):
                     if rows > max(1, common.pow2(t)):
                         continue
                     config = platform.LaunchConfig(rows, warps, 1)
-                    if rows * max_tile // (warps * target.warp_size) > 256:
-                        continue  # more than 256 elements of a tile per thread: spills for sure
+                    per_thread = rows * max_tile // (warps * target.warp_size)
+                    if per_thread > 128 or per_thread < 2:
+                        continue  # spills for sure, or idle threads
                     f = jax.jit(lambda *a, _c=config: fn(_c, *a))
                     try:
                         tm = timing.time_device(f, sets, n_calls=calls)
@@ -132,17 +134,20 @@ def sweep(ops, tokens, dtype, calls, log=print, configs=None):
 
 
 def table(points) -> dict:
-    """{op: [[max_rows, row_elems, rows, warps, 1], ...]} from the sweep's winners."""
+    """{op: [[max_tokens, row_elems, rows, warps, 1], ...]} from the sweep's winners.
+
+    Each measured token count T_i serves token counts up to the geometric mean of T_i and the next
+    measured one; the largest serves everything above it.
+    """
     out = {}
-    for p in sorted(points, key=lambda p: (p["op"], p["row_elems"], p["tokens"])):
-        out.setdefault(p["op"], []).append(
-            [p["tokens"], p["row_elems"], p["best"]["rows"], p["best"]["warps"], 1])
-    for entries in out.values():  # the largest measured T of each row size covers all larger T
-        last = {}
-        for e in entries:
-            last[e[1]] = e
-        for e in last.values():
-            e[0] = 2**31
+    by_shape = {}
+    for p in points:
+        by_shape.setdefault((p["op"], p["row_elems"]), []).append(p)
+    for (op, row_elems), ps in sorted(by_shape.items()):
+        ps.sort(key=lambda p: p["tokens"])
+        for i, p in enumerate(ps):
+            upper = int(math.sqrt(p["tokens"] * ps[i + 1]["tokens"])) if i + 1 < len(ps) else 2**31
+            out.setdefault(op, []).append([upper, row_elems, p["best"]["rows"], p["best"]["warps"], 1])
     return out
 
 
@@ -168,7 +173,7 @@ def main(argv=None):
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--configs", default=None, help="only these model configs (default: all)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--calls", type=int, default=10)
     p.add_argument("--out", default=os.path.join("bench", "out"))
     p.add_argument("--write", action="store_true", help="merge the winners into tuned_configs.json")
     args = p.parse_args(argv)

@@ -148,12 +148,17 @@ class LaunchConfig:
 
 OPS = ("rmsnorm", "fused_q_kv_rmsnorm", "rmsnorm_gated", "rmsnorm_gated_fp8", "per_token_fp8_quant")
 
-# Heuristic constants, per backend. Elements a program handles (summed over the tiles it loads),
-# and elements per thread of its largest tile. Chosen from the H200 sweep (bench/results) and,
-# for AMD, from the register figures of the ROCm compile gate; see README "Launch configs".
-_ELEMS_PER_PROGRAM = {"cuda": 4096, "rocm": 4096}
-_ELEMS_PER_THREAD = {"cuda": 8, "rocm": 8}
-_MAX_WARPS = {"cuda": 16, "rocm": 16}  # 512 threads on NVIDIA, 1024 work-items on CDNA
+# Heuristic constants. Elements a program handles (summed over the tiles it loads), and elements
+# per thread of its largest tile: few per thread while the grid is too small to fill the GPU
+# (spread the latency chain of one row over many threads), many once it is large (fewer threads
+# per row means cheaper cross-warp reductions; occupancy comes from the many programs). From the
+# H200 sweep (bench/results/tune.md): fused q/kv at T = 65536 ran 129 us with 1 warp per row
+# against 162 us with 8; the gated FP8 kernel at T = 1 ran 2.0 us with 16 warps against 6.9 with 1.
+_ELEMS_PER_PROGRAM = 4096
+_ELEMS_PER_THREAD_LATENCY = 8
+_ELEMS_PER_THREAD_THROUGHPUT = 32
+_PROGRAMS_PER_CORE_THROUGHPUT = 4
+_MAX_THREADS = 1024
 _MAX_ROWS = 64
 
 
@@ -178,15 +183,18 @@ def heuristic_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: i
         # Interpret mode runs the programs one after another: few, large programs are fastest.
         rows = min(_MAX_ROWS, _pow2_floor(max(1, n_rows // 16)))
         return LaunchConfig(rows_per_program=rows, num_warps=4, num_stages=1)
-    backend = target.backend
-    rows = _pow2_floor(max(1, _ELEMS_PER_PROGRAM[backend] // max(1, row_elems)))
+    rows = _pow2_floor(max(1, _ELEMS_PER_PROGRAM // max(1, row_elems)))
     rows = min(rows, _MAX_ROWS, _pow2_ceil(max(1, n_rows)))
     # Keep at least two programs per core while there are rows enough for that.
     while rows > 1 and math.ceil(n_rows / rows) < 2 * target.num_cores:
         rows //= 2
-    threads = rows * max_tile_row_elems // _ELEMS_PER_THREAD[backend]
+    programs = math.ceil(n_rows / rows)
+    per_thread = (_ELEMS_PER_THREAD_THROUGHPUT
+                  if programs >= _PROGRAMS_PER_CORE_THROUGHPUT * target.num_cores
+                  else _ELEMS_PER_THREAD_LATENCY)
     warp = max(1, target.warp_size)
-    num_warps = min(_MAX_WARPS[backend], max(1, _pow2_floor(max(1, threads // warp))))
+    threads = max(1, rows * max_tile_row_elems // per_thread)
+    num_warps = _pow2_floor(max(1, min(threads, _MAX_THREADS) // warp))
     return LaunchConfig(rows_per_program=rows, num_warps=num_warps, num_stages=1)
 
 
@@ -202,9 +210,13 @@ def tuned_table() -> dict:
     """
     try:
         with open(_TUNED_PATH) as f:
-            return json.load(f).get("configs", {})
+            table = json.load(f).get("configs", {})
     except FileNotFoundError:
         return {}
+    for ops in table.values():
+        for entries in ops.values():
+            entries.sort(key=lambda e: (e[1], e[0]))
+    return table
 
 
 def launch_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int | None = None,

