@@ -1,0 +1,82 @@
+"""The benchmark: the trace parser on synthetic and recorded events, and the quick mode end to
+end on the CPU (what a new user without a GPU runs first)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from bench import timing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _plane(name, lines):
+    return types.SimpleNamespace(name=name, lines=[
+        types.SimpleNamespace(name=ln, events=[types.SimpleNamespace(name=n, start_ns=s, duration_ns=d)
+                                               for n, s, d in evs]) for ln, evs in lines.items()])
+
+
+def test_parser_synthetic():
+    planes = [
+        _plane("/host:CPU", {"python": [("x", 0, 5)]}),
+        _plane("/device:GPU:0", {
+            "Stream #14(Compute)": [("k_a", 100, 10), ("k_b", 120, 5), ("k_a", 300, 12), ("k_b", 320, 6)],
+            "XLA Ops": [("fusion", 100, 40)],  # an aggregate line: not counted again
+        }),
+    ]
+    events = timing.device_events(planes)
+    assert [e.name for e in events] == ["k_a", "k_b", "k_a", "k_b"]
+    times, k = timing.per_call_times(events, 2)
+    assert k == 2 and times == [15, 18]
+    with pytest.raises(ValueError, match="do not split"):
+        timing.per_call_times(events, 3)
+    with pytest.raises(ValueError, match="other kernels"):
+        timing.per_call_times([events[0], events[1], events[3], events[2]], 2)
+
+
+def test_parser_recorded_h200_trace():
+    """A trace recorded on the H200 (bench/trace_dump.py): 2 calls each of the fused kernel, the
+    XLA reference (2 fusions per call) and a copy (MemcpyD2D) on one stream line."""
+    with open(os.path.join(ROOT, "tests", "data", "h200_trace_sample.json")) as f:
+        rec = json.load(f)
+    planes = [_plane(p["name"], {ln["name"]: [(e["name"], e["start_ns"], e["duration_ns"])
+                                             for e in ln["events"]] for ln in p["lines"]})
+              for p in rec["planes"]]
+    events = timing.device_events(planes)
+    names = [e.name for e in events]
+    assert names[:2] == ["k3pallas_fused_q_kv_rmsnorm"] * 2
+    assert names[-2:] == ["MemcpyD2D"] * 2
+    fused_times, k = timing.per_call_times(events[:2], 2)
+    assert k == 1 and all(5_000 < t < 20_000 for t in fused_times)
+    xla_times, k = timing.per_call_times(events[2:6], 2)
+    assert k == 2
+
+
+def test_quick_mode_end_to_end(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--out", str(out),
+                           "--ops", "fused_q_kv_rmsnorm,rmsnorm_gated_fp8_per_token"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "WALL-CLOCK" in proc.stdout  # a CPU run says what its numbers are
+    data = json.loads((out / "results.json").read_text())
+    env = data["environment"]
+    for key in ("jax", "backend", "device_kind", "arch", "dtype", "impl", "clock", "git_commit"):
+        assert key in env
+    assert env["clock"] == "wall" and env["impl"] == "interpret"
+    recs = data["records"]
+    assert {r["op"] for r in recs} == {"fused_q_kv_rmsnorm", "rmsnorm_gated_fp8_per_token"}
+    assert {r["tokens"] for r in recs} == {1, 64}
+    assert {r["variant"] for r in recs} == {"k3pallas", "unfused", "xla", "copy"}
+    for r in recs:
+        for key in ("median_us", "min_us", "kernels_per_call", "bytes", "gb_per_s", "pct_of_copy",
+                    "config", "dtype", "clock"):
+            assert key in r, key
+        assert r["median_us"] > 0 and r["bytes"] > 0
+    assert (out / "results.md").read_text().startswith("# k3pallas benchmark")

@@ -1,0 +1,107 @@
+"""Targets, launch configs and tiling helpers: pure functions, testable without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3pallas import platform
+from k3pallas.kernels import common
+from k3pallas.platform import LaunchConfig
+
+
+def test_targets():
+    t = platform.target_for("NVIDIA H200", "cuda", "9.0")
+    assert (t.backend, t.arch, t.warp_size, t.num_cores) == ("cuda", "sm_90", 32, 132)
+    assert platform.target_for("NVIDIA H200", "cuda").arch == "sm_90"  # deviceless: by name
+    t = platform.target_for("AMD Instinct MI300X", "rocm", "gfx942:sramecc+:xnack-")
+    assert (t.backend, t.arch, t.warp_size, t.num_cores) == ("rocm", "gfx942", 64, 304)
+    assert platform.target_for("gfx950", "rocm").warp_size == 64
+    assert platform.target_for("AMD Instinct MI355X", "rocm").arch == "gfx950"
+    assert platform.target_for("AMD Radeon RX 7900 XTX", "rocm", "gfx1100").warp_size == 32
+    assert platform.target_for("cpu", "cpu").is_gpu is False
+    assert platform.target_for("NVIDIA H100", "gpu").backend == "cuda"
+
+
+def test_current_target_in_abstract_mesh():
+    import jax
+
+    from k3pallas import _compat
+
+    with jax.sharding.use_abstract_mesh(_compat.abstract_mesh("gfx950", "rocm")):
+        t = platform.current_target()
+    assert (t.backend, t.arch, t.warp_size) == ("rocm", "gfx950", 64)
+
+
+@pytest.mark.parametrize("name", list(platform.KNOWN_TARGETS))
+@pytest.mark.parametrize("op,row_elems,tile", [("fused_q_kv_rmsnorm", 2560, 2048),
+                                               ("rmsnorm_gated_fp8", 8192, 4096),
+                                               ("rmsnorm_gated_fp8", 3072, 1024),
+                                               ("per_token_fp8_quant", 4096, 4096)])
+def test_heuristic_is_valid_everywhere(name, op, row_elems, tile):
+    target = platform.target_for(*platform.KNOWN_TARGETS[name])
+    for t in (1, 2, 7, 64, 512, 4096, 65536, 2**21):
+        c = platform.heuristic_config(op, t, row_elems, tile, target)
+        assert c.rows_per_program <= max(1, 2 ** (t - 1).bit_length())
+        assert c.num_warps * target.warp_size <= 1024
+        # A thread holds between 1 and 128 elements of its largest tile.
+        per_thread = c.rows_per_program * tile / (c.num_warps * target.warp_size)
+        assert 1 <= per_thread <= 128, (t, c)
+        # Enough programs to cover every core twice when there are rows enough.
+        if t >= 2 * target.num_cores * c.rows_per_program:
+            assert -(-t // c.rows_per_program) >= 2 * target.num_cores
+
+
+def test_heuristic_regimes():
+    h200 = platform.target_for("NVIDIA H200", "cuda")
+    small = platform.heuristic_config("rmsnorm_gated_fp8", 1, 8192, 4096, h200)
+    large = platform.heuristic_config("rmsnorm_gated_fp8", 65536, 8192, 4096, h200)
+    assert small.num_warps > large.num_warps  # latency: spread a row; throughput: fewer warps
+    gfx = platform.target_for("gfx942", "rocm")
+    assert platform.heuristic_config("fused_q_kv_rmsnorm", 1, 2560, 2048, gfx).num_warps * 64 <= 1024
+
+
+def test_tuned_table_lookup(monkeypatch):
+    table = {"sm_90": {"fused_q_kv_rmsnorm": [[22, 2560, 1, 4, 1], [2**31, 2560, 2, 1, 1],
+                                              [1448, 9999, 4, 8, 1]]}}
+    monkeypatch.setattr(platform, "tuned_table", lambda: table)
+    h200 = platform.target_for("NVIDIA H200", "cuda")
+    assert platform.launch_config("fused_q_kv_rmsnorm", 7, 2560, 2048, h200) == LaunchConfig(1, 4, 1)
+    assert platform.launch_config("fused_q_kv_rmsnorm", 65536, 2560, 2048, h200) == LaunchConfig(2, 1, 1)
+    # Rows per program never exceed the padded row count.
+    assert platform.launch_config("fused_q_kv_rmsnorm", 23, 2560, 2048, h200).rows_per_program == 2
+    # Another row size, or another arch: the heuristic.
+    other = platform.launch_config("fused_q_kv_rmsnorm", 65536, 1024, 1024, h200)
+    assert other == platform.heuristic_config("fused_q_kv_rmsnorm", 65536, 1024, 1024, h200)
+    gfx = platform.target_for("gfx942", "rocm")
+    assert platform.launch_config("fused_q_kv_rmsnorm", 7, 2560, 2048, gfx) == \
+        platform.heuristic_config("fused_q_kv_rmsnorm", 7, 2560, 2048, gfx)
+    with pytest.raises(ValueError, match="unknown op"):
+        platform.launch_config("nope", 1, 1)
+
+
+def test_shipped_tuned_table_is_well_formed():
+    for arch, ops in platform.tuned_table().items():
+        for op, entries in ops.items():
+            assert op in platform.OPS, op
+            for max_tokens, row_elems, rows, warps, stages in entries:
+                LaunchConfig(rows, warps, stages)  # validates powers of two
+                assert max_tokens >= 1 and row_elems >= 1
+
+
+def test_launch_config_validation():
+    with pytest.raises(ValueError, match="power of two"):
+        LaunchConfig(3, 4)
+    with pytest.raises(ValueError, match="power of two"):
+        LaunchConfig(1, 0)
+    with pytest.raises(ValueError, match="num_stages"):
+        LaunchConfig(1, 1, 0)
+
+
+@pytest.mark.parametrize("n,parts", [(1, [(0, 1)]), (12, [(0, 8), (8, 4)]), (96, [(0, 64), (64, 32)]),
+                                     (5, [(0, 4), (4, 1)]), (32, [(0, 32)]), (7, [(0, 4), (4, 2), (6, 1)]),
+                                     (15, [(0, 8), (8, 4), (12, 4)]), (1536, [(0, 1024), (1024, 512)])])
+def test_pow2_parts(n, parts):
+    assert common.pow2_parts(n) == parts
+    covered = sorted(i for s, size in parts for i in range(s, min(s + size, n)))
+    assert covered == list(range(n))
+    assert all(size & (size - 1) == 0 for _, size in parts)
