@@ -33,11 +33,15 @@ def _log(msg):
 
 
 def environment(target) -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=os.path.dirname(__file__), timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001 - the commit is informative only
-        commit = ""
+    # K3PALLAS_GIT_COMMIT: for runs from a copy of the tree without .git (the GPU machine).
+    commit = os.environ.get("K3PALLAS_GIT_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, cwd=os.path.dirname(__file__),
+                                    timeout=10).stdout.strip()
+        except Exception:  # noqa: BLE001 - the commit is informative only
+            commit = ""
     import jaxlib
 
     return {

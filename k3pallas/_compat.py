@@ -79,3 +79,44 @@ def triton_launches(module_text: str) -> list[dict]:
         fields = dict(_LAUNCH_FIELD.findall(chunk[: end if end > 0 else None]))
         launches.append({k: (v.strip('"') if k == "name" else int(v)) for k, v in fields.items()})
     return launches
+
+
+def triton_ir_modules(lowered) -> list[dict]:
+    """The Triton IR of every ``__gpu$xla.gpu.triton`` call in a ``jax.stages.Lowered``, as text.
+
+    Pallas stores each kernel's Triton IR as MLIR bytecode under the key ``ir`` of the call's
+    ``mhlo.backend_config`` dictionary; it prints as text in an MLIR context with jaxlib's triton
+    dialect registered. Returns ``[{"name", "num_warps", "num_stages", "grid", "ir"}, ...]``.
+    Uses private jax modules (``jax._src``), which is why it lives here.
+    """
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib import triton as jax_triton
+    from jax._src.lib.mlir import ir
+
+    calls = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for child in block.operations:
+                    child = child.operation
+                    if child.name == "stablehlo.custom_call":
+                        target = ir.StringAttr(child.attributes["call_target_name"]).value
+                        if target == "__gpu$xla.gpu.triton":
+                            calls.append(ir.DictAttr(child.attributes["mhlo.backend_config"]))
+                    walk(child)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    out = []
+    ctx = jax_mlir.make_ir_context()
+    jax_triton.dialect.register_dialect(ctx)
+    for cfg in calls:
+        blob = ir.StringAttr(cfg["ir"]).value_bytes
+        with ctx:
+            text = str(ir.Module.parse(blob))
+        fields = {k: ir.IntegerAttr(cfg[k]).value for k in ("num_warps", "num_stages", "grid_x",
+                                                             "grid_y", "grid_z")}
+        out.append({"name": ir.StringAttr(cfg["name"]).value, "num_warps": fields["num_warps"],
+                    "num_stages": fields["num_stages"],
+                    "grid": (fields["grid_x"], fields["grid_y"], fields["grid_z"]), "ir": text})
+    return out

@@ -154,9 +154,13 @@ OPS = ("rmsnorm", "fused_q_kv_rmsnorm", "rmsnorm_gated", "rmsnorm_gated_fp8", "p
 # per row means cheaper cross-warp reductions; occupancy comes from the many programs). From the
 # H200 sweep (bench/results/tune.md): fused q/kv at T = 65536 ran 129 us with 1 warp per row
 # against 162 us with 8; the gated FP8 kernel at T = 1 ran 2.0 us with 16 warps against 6.9 with 1.
+#
+# On AMD the throughput regime holds 16 elements per thread: at 32 the 96-head FP8 kernel needed
+# 134 VGPRs on gfx942 / gfx950 (occupancy 3 waves per SIMD, under the ROCm compile gate's 4);
+# at 16 every kernel keeps >= 4 (bench/results/rocm_check.md).
 _ELEMS_PER_PROGRAM = 4096
 _ELEMS_PER_THREAD_LATENCY = 8
-_ELEMS_PER_THREAD_THROUGHPUT = 32
+_ELEMS_PER_THREAD_THROUGHPUT = {"cuda": 32, "rocm": 16}
 _PROGRAMS_PER_CORE_THROUGHPUT = 4
 _MAX_THREADS = 1024
 _MAX_ROWS = 64
@@ -189,7 +193,7 @@ def heuristic_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: i
     while rows > 1 and math.ceil(n_rows / rows) < 2 * target.num_cores:
         rows //= 2
     programs = math.ceil(n_rows / rows)
-    per_thread = (_ELEMS_PER_THREAD_THROUGHPUT
+    per_thread = (_ELEMS_PER_THREAD_THROUGHPUT.get(target.backend, 32)
                   if programs >= _PROGRAMS_PER_CORE_THROUGHPUT * target.num_cores
                   else _ELEMS_PER_THREAD_LATENCY)
     warp = max(1, target.warp_size)
