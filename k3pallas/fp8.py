@@ -98,7 +98,7 @@ def default_fp8_dtype(device=None):
     elif isinstance(device, platform.Target):
         target = device
     else:
-        target = platform.target_for(device.device_kind, device.platform,
+        target = platform.target_for(device.device_kind, platform.device_platform(device),
                                      getattr(device, "compute_capability", None))
     if target.backend == "rocm" and target.arch.startswith("gfx94"):
         return jnp.dtype(jnp.float8_e4m3fnuz)

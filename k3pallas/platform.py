@@ -26,7 +26,7 @@ import jax
 
 from k3pallas import _compat
 
-__all__ = ["Target", "LaunchConfig", "current_target", "target_for", "launch_config", "KNOWN_TARGETS"]
+__all__ = ["Target", "LaunchConfig", "current_target", "target_for", "device_platform", "launch_config", "KNOWN_TARGETS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +100,19 @@ def target_for(device_kind: str, platform: str, compute_capability=None) -> Targ
     return Target(platform, platform, device_kind, 1, os.cpu_count() or 1)
 
 
+def device_platform(device) -> str:
+    """"cpu", "cuda" or "rocm" for a jax device (jax reports both GPU kinds as "gpu")."""
+    plat = device.platform
+    if plat != "gpu":
+        return plat
+    cc = getattr(device, "compute_capability", None)
+    if isinstance(cc, str) and cc.startswith("gfx"):
+        return "rocm"
+    client = getattr(device, "client", None)
+    version = f"{getattr(client, 'platform', '')} {getattr(client, 'platform_version', '')}".lower()
+    return "rocm" if ("rocm" in version or "hip" in version) else "cuda"
+
+
 def current_target() -> Target:
     """The target that code traced now will run on.
 
@@ -110,7 +123,8 @@ def current_target() -> Target:
     if abstract is not None:
         return target_for(abstract.device_kind, abstract.platform)
     device = jax.devices()[0]
-    return target_for(device.device_kind, device.platform, getattr(device, "compute_capability", None))
+    return target_for(device.device_kind, device_platform(device),
+                      getattr(device, "compute_capability", None))
 
 
 def native_fp8_cast(target: Target, dtype) -> bool:

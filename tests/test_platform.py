@@ -105,3 +105,25 @@ def test_pow2_parts(n, parts):
     covered = sorted(i for s, size in parts for i in range(s, min(s + size, n)))
     assert covered == list(range(n))
     assert all(size & (size - 1) == 0 for _, size in parts)
+
+
+def test_device_platform_tells_cuda_from_rocm():
+    """jax reports both GPU kinds as platform "gpu"; the arch string or the client tells them apart."""
+    import types
+
+    import jax.numpy as jnp
+
+    import k3pallas as kp
+
+    client = lambda p, v: types.SimpleNamespace(platform=p, platform_version=v)  # noqa: E731
+    mi300 = types.SimpleNamespace(platform="gpu", device_kind="AMD Instinct MI300X",
+                                  compute_capability="gfx942:sramecc+:xnack-",
+                                  client=client("rocm", "rocm 7.0"))
+    mi355 = types.SimpleNamespace(platform="gpu", device_kind="AMD Instinct MI355X",
+                                  compute_capability=None, client=client("gpu", "rocm 7.1"))
+    h200 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0",
+                                 client=client("cuda", "cuda 13000"))
+    assert [platform.device_platform(d) for d in (mi300, mi355, h200)] == ["rocm", "rocm", "cuda"]
+    assert kp.default_fp8_dtype(mi300) == jnp.dtype(jnp.float8_e4m3fnuz)
+    assert kp.default_fp8_dtype(mi355) == jnp.dtype(jnp.float8_e4m3fn)
+    assert kp.default_fp8_dtype(h200) == jnp.dtype(jnp.float8_e4m3fn)
