@@ -120,8 +120,7 @@ def make_case(op: str, config_name: str, tokens: int, dtype: str, impl: str) -> 
         }
         inb = _nbytes((tokens, n), dt)
         outb = tokens * n + 4 * tokens
-        padded = 1 << (n - 1).bit_length()
-        launch = platform.launch_config(op, tokens, padded, padded)
+        launch = platform.launch_config(op, tokens, *gated_fp8.quant_row_elems(n))
     else:
         raise KeyError(f"unknown op {op!r}; known: {shapes.OPS}")
     return Case(op, config_name, tokens, dt.name, make, variants, inb + outb, inb,

@@ -76,7 +76,7 @@ def _kernel_fn(op, cfg_name, dtype, quant):
 
     def fn(config, x):
         return gated_fp8.per_token_fp8_rows(x, quant=quant, interpret=False, config=config)
-    return make, fn, (common.pow2(n), common.pow2(n))
+    return make, fn, gated_fp8.quant_row_elems(n)
 
 
 def bytes_per_token(op, cfg_name, itemsize):

@@ -140,6 +140,12 @@ def gated_row_elems(heads: int, width: int) -> tuple[int, int]:
     return 2 * sum(size for _, size in parts) * padded_width, parts[0][1] * padded_width
 
 
+def quant_row_elems(width: int) -> tuple[int, int]:
+    """(elements one token loads, elements of its tile row) for the per-token FP8 kernel."""
+    padded = common.pow2(width)
+    return padded, padded
+
+
 def rmsnorm_gated_rows(x, gate, weight, *, eps: float, activation: str,
                        quant: fp8_lib.Fp8Params | None, interpret: bool,
                        config: platform.LaunchConfig | None = None):
@@ -171,8 +177,7 @@ def per_token_fp8_rows(x, *, quant: fp8_lib.Fp8Params, interpret: bool,
     """``x [T, N]`` -> ``(codes [T, N] fp8, scale [T] float32)``."""
     n_rows, width = x.shape
     if config is None:
-        padded = common.pow2(width)
-        config = platform.launch_config("per_token_fp8_quant", n_rows, padded, padded)
+        config = platform.launch_config("per_token_fp8_quant", n_rows, *quant_row_elems(width))
     kernel = functools.partial(_quant_kernel, n_rows=n_rows, rows=config.rows_per_program,
                                width=width, quant=quant)
     codes, scale = common.row_call(
