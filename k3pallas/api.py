@@ -117,7 +117,7 @@ def _inference_only(op, fn, *arrays):
 def _rows(a, trailing: int):
     """View ``a [..., *trailing dims]`` as ``[T, *trailing dims]``."""
     lead = a.shape[: a.ndim - trailing]
-    return a.reshape((math.prod(lead),) + a.shape[a.ndim - trailing:]), lead
+    return a.reshape((math.prod(lead),) + a.shape[a.ndim - trailing:])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def rmsnorm(x, weight, eps=1e-6, *, impl="auto"):
     impl = _resolve_impl(impl, op)
     if impl == "reference":
         return _inference_only(op, lambda a, w: reference.rmsnorm(a, w, eps), x, weight)
-    x2, lead = _rows(x, 1)
+    x2 = _rows(x, 1)
     if x2.shape[0] == 0:
         return jnp.zeros(x.shape, x.dtype)
 
@@ -191,8 +191,8 @@ def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None,
         return _inference_only(
             op, lambda q, kv, wq, wkv: reference.fused_q_kv_rmsnorm(q, kv, wq, wkv, eps, kv_eps),
             q_c, kv_c, q_weight, kv_weight)
-    q2, _ = _rows(q_c, 1)
-    kv2, _ = _rows(kv_c, 1)
+    q2 = _rows(q_c, 1)
+    kv2 = _rows(kv_c, 1)
     if q2.shape[0] == 0:
         return jnp.zeros(q_c.shape, q_c.dtype), jnp.zeros(kv_c.shape, kv_c.dtype)
 
@@ -256,8 +256,8 @@ def rmsnorm_gated(x, weight, gate, eps=1e-5, *, activation="sigmoid", impl="auto
     if impl == "reference":
         return _inference_only(
             op, lambda a, w, g: reference.rmsnorm_gated(a, w, g, eps, activation), x, weight, gate)
-    x3, _ = _rows(x, 2)
-    g3, _ = _rows(gate, 2)
+    x3 = _rows(x, 2)
+    g3 = _rows(gate, 2)
     if x3.shape[0] == 0:
         return jnp.zeros(x.shape, x.dtype)
 
@@ -283,8 +283,8 @@ def rmsnorm_gated_fp8_per_token(x, weight, gate, eps=1e-5, *, activation="sigmoi
                 a, w, g, eps, activation, q.dtype, q.fp8_max, q.min_scale, q.scale_ub),
             x, weight, gate)
         return QuantizedActivation(data, scale)
-    x3, _ = _rows(x, 2)
-    g3, _ = _rows(gate, 2)
+    x3 = _rows(x, 2)
+    g3 = _rows(gate, 2)
     if x3.shape[0] == 0:
         return QuantizedActivation(jnp.zeros(lead + (width,), q.dtype),
                                    jnp.zeros(lead + (1,), jnp.float32))
@@ -325,7 +325,7 @@ def per_token_fp8_quant(x, *, fp8_dtype=None, fp8_max=None, min_scale=None, scal
             op, lambda a: reference.per_token_fp8_quant(a, q.dtype, q.fp8_max, q.min_scale,
                                                         q.scale_ub), x)
         return QuantizedActivation(data, scale)
-    x2, _ = _rows(x, 1)
+    x2 = _rows(x, 1)
     if x2.shape[0] == 0:
         return QuantizedActivation(jnp.zeros(x.shape, q.dtype), jnp.zeros(lead + (1,), jnp.float32))
 
