@@ -36,6 +36,8 @@ import sys
 import tempfile
 import time
 
+from bench.report import write_report
+
 MIN_OCCUPANCY = 4
 ARCHS = ("gfx942", "gfx950")
 _FP8_CVT = re.compile(r"\b(v_cvt\w*(fp8|bf8)\w*)")
@@ -289,12 +291,8 @@ def main(argv=None):
                                     capture_output=True, text=True).stdout.strip()
     meta = {"jax": jax.__version__, "triton": triton_version, "min_occupancy": MIN_OCCUPANCY}
     log(f"compiled {len(results)} kernels")
-    os.makedirs(args.out, exist_ok=True)
     md = markdown(results, meta)
-    with open(os.path.join(args.out, "rocm_check.md"), "w") as f:
-        f.write(md + "\n")
-    with open(os.path.join(args.out, "rocm_check.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+    write_report(args.out, "rocm_check", md, {"meta": meta, "results": results})
     print(md)
     failures = [(r, problems(r)) for r in results if problems(r)]
     for r, ps in failures:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform as py_platform
 import subprocess
@@ -24,6 +23,7 @@ from k3pallas import platform
 
 from bench import ops as bench_ops
 from bench import shapes, timing
+from bench.report import write_report
 
 CPU_TOKENS = (1, 7, 64)
 
@@ -234,12 +234,8 @@ def main(argv=None) -> int:
         _log(f"[{i}/{len(jobs)} {time.time() - t_start:6.1f}s] {op} {cfg} T={t}: k3pallas "
              f"{k['median_us']:.2f} us ({k['kernels_per_call']} kernels), "
              f"{_fmt(k['pct_of_copy'], '.0f')}% of copy")
-    os.makedirs(args.out, exist_ok=True)
     md = markdown(records, env)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(md + "\n")
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"environment": env, "records": records}, f, indent=1)
+    write_report(args.out, "results", md, {"environment": env, "records": records})
     plotted = plot(records, env, os.path.join(args.out, "results.png"))
     print(md)
     _log(f"wrote {args.out}/results.md, results.json" + (", results.png" if plotted else ""))

@@ -26,6 +26,7 @@ from k3pallas.kernels import common, gated_fp8, rmsnorm as rmsnorm_kernels
 
 from bench import ops as bench_ops
 from bench import shapes, timing
+from bench.report import write_report
 
 TOKENS = (1, 512, 4096, 65536)
 ROWS = (1, 2, 4)
@@ -185,13 +186,10 @@ def main(argv=None):
                            [int(t) for t in args.tokens.split(",")], args.dtype, args.calls,
                            log=lambda m: print(f"[{time.time() - t0:6.1f}s] {m}", file=sys.stderr, flush=True),
                            configs=args.configs.split(",") if args.configs else None)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tune.json"), "w") as f:
-        json.dump({"device_kind": target.device_kind, "arch": target.arch, "jax": jax.__version__,
-                   "dtype": args.dtype, "points": points}, f, indent=1)
     md = markdown(target, points)
-    with open(os.path.join(args.out, "tune.md"), "w") as f:
-        f.write(md + "\n")
+    write_report(args.out, "tune", md, {"device_kind": target.device_kind, "arch": target.arch,
+                                        "jax": jax.__version__, "dtype": args.dtype,
+                                        "points": points})
     print(md)
     if args.write:
         path = platform._TUNED_PATH
