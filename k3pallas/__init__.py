@@ -3,19 +3,24 @@
 Public API (``import k3pallas as kp``):
 
 * ``kp.fused_q_kv_rmsnorm``: MLA's joint q/kv RMSNorm in one launch; ``kp.rmsnorm``: one tensor.
+* ``kp.mla_q_kv_norm``: the same straight from MLA's packed ``[q_c | kv_c | k_pe]`` projection.
 * ``kp.rmsnorm_gated``: per-head ``rmsnorm(x) * weight * act(gate)`` (Kimi Delta Attention).
 * ``kp.rmsnorm_gated_fp8_per_token``: that, fused with dynamic per-token FP8, in one launch.
 * ``kp.per_token_fp8_quant``: dynamic per-token FP8 of an already-normed activation.
+* ``kp.quantize_weight_per_channel`` and ``kp.fp8_linear``: the FP8 matmul that consumes the
+  quantized activation (``linear.py``; XLA's vendor FP8 GEMM, no Pallas).
 * ``kp.QuantizedActivation``, ``kp.default_fp8_dtype`` and the ``FP8_*_MAX`` constants.
 
 Where things are: ``api.py`` (these functions), ``reference.py`` (the jnp semantics),
 ``kernels/`` (the Pallas Triton kernels), ``platform.py`` (targets and launch configs),
-``fp8.py`` (format rules and the bit encoder), ``_compat.py`` (jax-version shims).
+``fp8.py`` (format rules and the bit encoder), ``linear.py`` (FP8 matmul), ``models/`` (runnable
+Kimi-K3 blocks), ``_compat.py`` (jax-version shims).
 """
 
 from k3pallas import reference
 from k3pallas.api import (
     fused_q_kv_rmsnorm,
+    mla_q_kv_norm,
     per_token_fp8_quant,
     rmsnorm,
     rmsnorm_gated,
@@ -29,12 +34,13 @@ from k3pallas.fp8 import (
     QuantizedActivation,
     default_fp8_dtype,
 )
+from k3pallas.linear import fp8_linear, quantize_weight_per_channel
 from k3pallas.platform import current_target
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "fused_q_kv_rmsnorm", "rmsnorm", "rmsnorm_gated", "rmsnorm_gated_fp8_per_token",
-    "per_token_fp8_quant", "QuantizedActivation", "default_fp8_dtype", "current_target",
+    "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm", "rmsnorm_gated", "rmsnorm_gated_fp8_per_token",
+    "per_token_fp8_quant", "quantize_weight_per_channel", "fp8_linear", "QuantizedActivation", "default_fp8_dtype", "current_target",
     "FP8_E4M3FN_MAX", "FP8_E4M3FNUZ_MAX", "FP8_E4M3FNUZ_MAX_AITER", "FP8_E5M2_MAX", "reference",
 ]

@@ -28,7 +28,7 @@ from k3pallas.fp8 import QuantizedActivation
 from k3pallas.kernels import gated_fp8 as gated_kernels
 from k3pallas.kernels import rmsnorm as rmsnorm_kernels
 
-__all__ = ["rmsnorm", "fused_q_kv_rmsnorm", "rmsnorm_gated", "rmsnorm_gated_fp8_per_token",
+__all__ = ["rmsnorm", "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm_gated", "rmsnorm_gated_fp8_per_token",
            "per_token_fp8_quant", "IMPLS", "ACTIVATIONS"]
 
 IMPLS = ("auto", "pallas", "interpret", "reference")
@@ -202,6 +202,74 @@ def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None,
 
     q_out, kv_out = _inference_only(op, run, q2, kv2, q_weight, kv_weight)
     return q_out.reshape(q_c.shape), kv_out.reshape(kv_c.shape)
+
+
+def _check_size(op, name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{op}: {name} must be a Python int >= {minimum}, got {value!r}")
+    return value
+
+
+def mla_q_kv_norm(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_size=1536, kv_size=512,
+                  impl="auto"):
+    """MLA's q/kv RMSNorm straight from the packed projection, in ONE kernel launch.
+
+    In DeepSeek-V3 / Kimi-K2 / Kimi-K3, one fused projection of the hidden state gives
+    ``qkv_a = [q_c | kv_c | k_pe]`` per token (1536 + 512 + 64 = 2112 columns). The kernel reads
+    those packed rows directly (column offsets inside the kernel) and writes the two normalized
+    latents and the untouched rope part: no XLA slice materializes a copy of ``q_c`` or ``kv_c``
+    before the norm, as slicing then calling ``fused_q_kv_rmsnorm`` under ``jax.jit`` does.
+
+    Args:
+      qkv_a: ``[..., q_size + kv_size + rope]`` float16 / bfloat16 / float32, ``rope >= 0``.
+      q_weight, kv_weight: ``[q_size]`` and ``[kv_size]``, any of those dtypes.
+      eps: epsilon of the q norm (default 1e-6; Kimi-K2.5 and later use 1e-5).
+      kv_eps: epsilon of the kv norm; defaults to ``eps``.
+      q_size, kv_size: the q and kv LoRA ranks (Python ints; default 1536 and 512).
+      impl: "auto", "pallas", "interpret" or "reference".
+
+    Returns: ``(q_c [..., q_size], kv_c [..., kv_size], k_pe [..., rope])`` in ``qkv_a.dtype``:
+    ``rmsnorm`` of the first two column ranges and a copy of the rest (``rope == 0``: an empty
+    ``k_pe``).
+
+    Raises: as ``rmsnorm``; ValueError if ``qkv_a`` has fewer than ``q_size + kv_size`` columns.
+    """
+    op = "mla_q_kv_norm"
+    _check_array(op, "qkv_a", qkv_a)
+    q_size = _check_size(op, "q_size", q_size, 1)
+    kv_size = _check_size(op, "kv_size", kv_size, 1)
+    rope = qkv_a.shape[-1] - q_size - kv_size
+    if rope < 0:
+        raise ValueError(f"{op}: qkv_a's last dim ({qkv_a.shape[-1]}) must hold q_size + kv_size = "
+                         f"{q_size + kv_size} columns and the rope part; got shape "
+                         f"{tuple(qkv_a.shape)}")
+    _check_weight(op, "q_weight", q_weight, q_size, "q_c (q_size)")
+    _check_weight(op, "kv_weight", kv_weight, kv_size, "kv_c (kv_size)")
+    eps = _check_eps(op, "eps", eps)
+    kv_eps = eps if kv_eps is None else _check_eps(op, "kv_eps", kv_eps)
+    impl = _resolve_impl(impl, op)
+    lead = qkv_a.shape[:-1]
+    if impl == "reference":
+        return _inference_only(
+            op, lambda a, wq, wkv: reference.mla_q_kv_norm(a, wq, wkv, eps, kv_eps, q_size, kv_size),
+            qkv_a, q_weight, kv_weight)
+    a2 = _rows(qkv_a, 1)
+    widths = (q_size, kv_size, rope)
+    if a2.shape[0] == 0:
+        return tuple(jnp.zeros(lead + (w,), qkv_a.dtype) for w in widths)
+    segments = [rmsnorm_kernels.Segment(0, 0, q_size, eps),
+                rmsnorm_kernels.Segment(0, q_size, kv_size, kv_eps)]
+    if rope:
+        segments.append(rmsnorm_kernels.Segment(0, q_size + kv_size, rope, None))
+
+    def run(a, wq, wkv):
+        return tuple(rmsnorm_kernels.segments_rows([a], segments, [wq, wkv], op=op,
+                                                   interpret=impl == "interpret"))
+
+    outs = _inference_only(op, run, a2, q_weight, kv_weight)
+    if not rope:
+        outs = outs + (jnp.zeros((a2.shape[0], 0), qkv_a.dtype),)
+    return tuple(o.reshape(lead + (w,)) for o, w in zip(outs, widths))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -160,7 +160,7 @@ class LaunchConfig:
             raise ValueError(f"LaunchConfig.num_stages must be >= 1, got {self.num_stages}")
 
 
-OPS = ("rmsnorm", "fused_q_kv_rmsnorm", "rmsnorm_gated", "rmsnorm_gated_fp8", "per_token_fp8_quant")
+OPS = ("rmsnorm", "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm_gated", "rmsnorm_gated_fp8", "per_token_fp8_quant")
 
 # Heuristic constants. Elements a program handles (summed over the tiles it loads), and elements
 # per thread of its largest tile: few per thread while the grid is too small to fill the GPU

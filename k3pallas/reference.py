@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = [
-    "rmsnorm", "fused_q_kv_rmsnorm", "rmsnorm_gated", "per_token_fp8_quant",
+    "rmsnorm", "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm_gated", "per_token_fp8_quant",
     "rmsnorm_gated_fp8_per_token", "activation_fn",
 ]
 
@@ -26,6 +26,13 @@ def rmsnorm(x, weight, eps):
 
 def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps, kv_eps):
     return rmsnorm(q_c, q_weight, eps), rmsnorm(kv_c, kv_weight, kv_eps)
+
+
+def mla_q_kv_norm(qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size):
+    """Slice the packed ``[..., q_size + kv_size + rope]`` rows, normalize q and kv, pass k_pe."""
+    q = qkv_a[..., :q_size]
+    kv = qkv_a[..., q_size:q_size + kv_size]
+    return rmsnorm(q, q_weight, eps), rmsnorm(kv, kv_weight, kv_eps), qkv_a[..., q_size + kv_size:]
 
 
 def activation_fn(name):

@@ -1,0 +1,124 @@
+"""FP8 linear layers that consume ``QuantizedActivation``: per-channel weight quantization and an
+FP8 x FP8 matmul with the per-token and per-channel scales applied to the float32 result.
+
+No Pallas here: the matmul is ``jax.lax.dot_general`` on the fp8 operands with
+``preferred_element_type=float32``, which XLA's GPU compiler rewrites into a vendor FP8 GEMM
+(``__cublas$lt$matmul$f8``: cuBLASLt on NVIDIA sm_89+, hipBLASLt on AMD MI300 and later; see the
+README for when it does and what it does otherwise). Those GEMMs take only scalar scales, so the
+vector scales (one per token, one per output channel) multiply the float32 result afterwards,
+in one XLA elementwise fusion.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from k3pallas import fp8 as fp8_lib
+from k3pallas.fp8 import QuantizedActivation
+
+__all__ = ["quantize_weight_per_channel", "fp8_linear"]
+
+_FLOATS = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def quantize_weight_per_channel(w, *, fp8_dtype=None, fp8_max=None):
+    """Symmetric per-output-channel FP8 quantization of a weight ``w [K, N]`` (``x @ w``).
+
+    ``w_scale[n] = max_k |w[k, n]| / fp8_max`` and ``w_fp8 = round_to_nearest_even(w / w_scale)``;
+    a column of zeros gets ``w_scale = 1`` (and zero codes); a column holding NaN gets a NaN scale.
+
+    Args:
+      w: ``[K, N]`` float16 / bfloat16 / float32.
+      fp8_dtype: default by device (``k3pallas.default_fp8_dtype``: e4m3fnuz on MI300-class
+        gfx94x, e4m3fn elsewhere).
+      fp8_max: default the format's per-token default (448 e4m3fn, 224 e4m3fnuz, 57344 e5m2).
+
+    Returns: ``(w_fp8 [K, N], w_scale [N] float32)``; ``w_fp8 * w_scale`` approximates ``w``.
+    """
+    op = "quantize_weight_per_channel"
+    if not hasattr(w, "shape") or not hasattr(w, "dtype"):
+        raise TypeError(f"{op}: w must be an array, got {type(w).__name__}")
+    if w.ndim != 2 or 0 in w.shape:
+        raise ValueError(f"{op}: w must be a non-empty [K, N] matrix, got shape {tuple(w.shape)}")
+    if jnp.dtype(w.dtype) not in _FLOATS:
+        raise TypeError(f"{op}: w must be float16, bfloat16 or float32, got {w.dtype}")
+    try:
+        q = fp8_lib.resolve_fp8_params(fp8_dtype, fp8_max)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{op}: {e}") from None
+    wf = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(wf), axis=0)
+    scale = jnp.where(amax > 0, amax / q.fp8_max, 1.0)
+    scale = jnp.where(jnp.any(jnp.isnan(wf), axis=0), jnp.nan, scale)
+    codes = jnp.clip(wf / scale, -q.fp8_max, q.fp8_max).astype(q.dtype)
+    return codes, scale.astype(jnp.float32)
+
+
+def fp8_linear(qa, w_fp8, w_scale, *, out_dtype=jnp.bfloat16):
+    """``dequant(qa) @ dequant(w)``: an FP8 x FP8 matmul with float32 accumulation.
+
+    Args:
+      qa: a ``QuantizedActivation`` (or a ``(data, scale)`` pair): ``data [..., K]`` fp8 and
+        ``scale [..., G]`` float32, one scale per token for each of ``G`` equal column groups
+        of ``data`` (``G = 1``: the per-token scale of ``per_token_fp8_quant`` and
+        ``rmsnorm_gated_fp8_per_token``; ``G > 1``: one scale per head group, see
+        ``rmsnorm_gated_fp8_per_token(scale_groups=...)``).
+      w_fp8: ``[K, N]`` in the same fp8 dtype as ``data``.
+      w_scale: ``[N]`` float32 (per output channel, as ``quantize_weight_per_channel`` gives) or
+        a scalar.
+      out_dtype: float16, bfloat16 (default) or float32.
+
+    Returns: ``[..., N]`` in ``out_dtype``:
+    ``sum_g (data_g @ w_g)_f32 * scale[..., g] * w_scale``, rounded once to ``out_dtype``.
+    The fp8 operands go to ``dot_general`` as they are (``preferred_element_type=float32``);
+    with ``G > 1`` it is one batched matmul over the groups and a sum.
+    """
+    op = "fp8_linear"
+    try:
+        data, scale = qa
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: qa must be a QuantizedActivation (data, scale), got "
+                        f"{type(qa).__name__}") from None
+    for name, a in (("qa.data", data), ("qa.scale", scale), ("w_fp8", w_fp8), ("w_scale", w_scale)):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise TypeError(f"{op}: {name} must be an array, got {type(a).__name__}")
+    if jnp.dtype(data.dtype) not in fp8_lib.FP8_DTYPES:
+        raise TypeError(f"{op}: qa.data must have an fp8 dtype, got {data.dtype}")
+    if jnp.dtype(w_fp8.dtype) != jnp.dtype(data.dtype):
+        raise TypeError(f"{op}: w_fp8 must have qa.data's fp8 dtype {data.dtype}, got {w_fp8.dtype}")
+    if data.ndim < 1 or w_fp8.ndim != 2 or w_fp8.shape[0] != data.shape[-1]:
+        raise ValueError(f"{op}: need qa.data [..., K] and w_fp8 [K, N] with the same K; got "
+                         f"{tuple(data.shape)} and {tuple(w_fp8.shape)}")
+    k, n = w_fp8.shape
+    if scale.ndim != data.ndim or scale.shape[:-1] != data.shape[:-1]:
+        raise ValueError(f"{op}: qa.scale must have shape data.shape[:-1] + (G,); got data "
+                         f"{tuple(data.shape)} and scale {tuple(scale.shape)}")
+    groups = scale.shape[-1]
+    if groups < 1 or k % groups:
+        raise ValueError(f"{op}: the {groups} scale groups of qa.scale must split K = {k} evenly")
+    if jnp.dtype(scale.dtype) != jnp.dtype(jnp.float32) or jnp.dtype(w_scale.dtype) != jnp.dtype(jnp.float32):
+        raise TypeError(f"{op}: qa.scale and w_scale must be float32; got {scale.dtype} and "
+                        f"{w_scale.dtype}")
+    if w_scale.shape not in ((), (1,), (n,)):
+        raise ValueError(f"{op}: w_scale must have shape ({n},) or be a scalar; got "
+                         f"{tuple(w_scale.shape)}")
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in _FLOATS:
+        raise TypeError(f"{op}: out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+
+    lead = data.shape[:-1]
+    if groups == 1:
+        acc = lax.dot_general(data, w_fp8, (((data.ndim - 1,), (0,)), ((), ())),
+                              preferred_element_type=jnp.float32)
+        acc = acc * scale
+    else:
+        kg = k // groups
+        a3 = data.reshape(-1, groups, kg)  # [T, G, K/G]
+        w3 = w_fp8.reshape(groups, kg, n)  # [G, K/G, N]
+        part = lax.dot_general(a3, w3, (((2,), (1,)), ((1,), (0,))),
+                               preferred_element_type=jnp.float32)  # [G, T, N]
+        s = scale.reshape(-1, groups).T[:, :, None]  # [G, T, 1]
+        acc = jnp.sum(part * s, axis=0).reshape(lead + (n,))
+    return (acc * w_scale).astype(out_dtype)

@@ -1,0 +1,187 @@
+"""Two Kimi-K3 blocks in plain JAX, with random weights, runnable under ``jax.jit``:
+
+* the MLA front-end: hidden ``[T, 7168]`` -> one fused projection to ``[T, 1536 + 512 + 64]``
+  -> ``mla_q_kv_norm`` (q and kv latents normalized, rope part passed) -> the q_b projection to
+  ``[T, heads, 128 + 64]``;
+* the Kimi Delta Attention output path: attention output and gate ``[T, H, 128]`` ->
+  ``rmsnorm_gated_fp8_per_token`` -> FP8 o_proj (``fp8_linear`` with a per-channel FP8 weight)
+  -> ``[T, 7168]``; with H = 96 (the whole layer) or 12 (one rank of TP8, whose o_proj output is
+  the rank's partial sum before the all-reduce).
+
+Each has a bf16 reference path (slices and jnp norms; ``rmsnorm_gated`` in bf16 and a bf16
+o_proj). ``python -m k3pallas.models.kimi_k3`` runs them and prints the relative error of each
+path against its reference (and, for scale, of the bf16 path against float32).
+
+Sizes: hidden 7168, q/kv LoRA ranks 1536 / 512, rope 64, KDA head dim 128 (Kimi-K3 as in the
+serving work this package ports). The MLA head count (64, q_b output 64 x 192) is Kimi-K2's;
+it only sets the size of the q_b matmul.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+
+import k3pallas as kp
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    hidden: int = 7168
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    nope_dim: int = 128
+    mla_heads: int = 64
+    mla_eps: float = 1e-6
+    kda_heads: int = 96
+    kda_head_dim: int = 128
+    kda_eps: float = 1e-5
+
+    @property
+    def qkv_a_width(self) -> int:
+        return self.q_lora_rank + self.kv_lora_rank + self.rope_dim
+
+
+KIMI_K3 = Config()
+KIMI_K3_TP8 = dataclasses.replace(KIMI_K3, kda_heads=12)  # one rank's KDA heads at TP8
+
+
+def _dense(key, fan_in, fan_out, dtype):
+    return (jax.random.normal(key, (fan_in, fan_out), jnp.float32) / fan_in**0.5).astype(dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# MLA front-end
+# ------------------------------------------------------------------------------------------------
+
+
+def init_mla_front(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16) -> dict:
+    k = jax.random.split(key, 4)
+    return {
+        "w_qkv_a": _dense(k[0], cfg.hidden, cfg.qkv_a_width, dtype),
+        "q_norm": (1 + 0.1 * jax.random.normal(k[1], (cfg.q_lora_rank,))).astype(dtype),
+        "kv_norm": (1 + 0.1 * jax.random.normal(k[2], (cfg.kv_lora_rank,))).astype(dtype),
+        "w_q_b": _dense(k[3], cfg.q_lora_rank, cfg.mla_heads * (cfg.nope_dim + cfg.rope_dim), dtype),
+    }
+
+
+def mla_front(params: dict, x, *, cfg: Config = KIMI_K3, impl: str = "auto"):
+    """``x [T, hidden]`` -> ``(q [T, heads, 192], kv_c [T, 512], k_pe [T, 64])``.
+
+    ``impl="reference"`` is the bf16 reference path: XLA slices the packed projection and runs
+    the jnp norms.
+    """
+    qkv_a = jnp.dot(x, params["w_qkv_a"], preferred_element_type=jnp.float32).astype(x.dtype)
+    q_c, kv_c, k_pe = kp.mla_q_kv_norm(qkv_a, params["q_norm"], params["kv_norm"], cfg.mla_eps,
+                                       q_size=cfg.q_lora_rank, kv_size=cfg.kv_lora_rank, impl=impl)
+    q = jnp.dot(q_c, params["w_q_b"], preferred_element_type=jnp.float32).astype(x.dtype)
+    return q.reshape(x.shape[0], cfg.mla_heads, cfg.nope_dim + cfg.rope_dim), kv_c, k_pe
+
+
+# ------------------------------------------------------------------------------------------------
+# KDA output path
+# ------------------------------------------------------------------------------------------------
+
+
+def init_kda_out(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16, fp8_dtype=None) -> dict:
+    """Norm weight, bf16 o_proj ``[H * 128, hidden]`` and its per-channel FP8 copy."""
+    k = jax.random.split(key, 2)
+    w_o = _dense(k[1], cfg.kda_heads * cfg.kda_head_dim, cfg.hidden, dtype)
+    w_o_fp8, w_o_scale = kp.quantize_weight_per_channel(w_o, fp8_dtype=fp8_dtype)
+    return {
+        "norm": (1 + 0.1 * jax.random.normal(k[0], (cfg.kda_head_dim,))).astype(jnp.float32),
+        "w_o": w_o, "w_o_fp8": w_o_fp8, "w_o_scale": w_o_scale,
+    }
+
+
+def kda_out_fp8(params: dict, o, gate, *, cfg: Config = KIMI_K3, impl: str = "auto",
+                fused: bool = True, out_dtype=jnp.bfloat16):
+    """``o, gate [T, H, 128]`` -> ``[T, hidden]``: gated norm + per-token FP8 + FP8 o_proj.
+
+    ``fused=False`` runs the unfused k3pallas path (``rmsnorm_gated`` to bf16, then
+    ``per_token_fp8_quant``), for the benchmark.
+    """
+    fp8_dtype = params["w_o_fp8"].dtype
+    if fused:
+        qa = kp.rmsnorm_gated_fp8_per_token(o, params["norm"], gate, cfg.kda_eps,
+                                            fp8_dtype=fp8_dtype, impl=impl)
+    else:
+        y = kp.rmsnorm_gated(o, params["norm"], gate, cfg.kda_eps, impl=impl)
+        qa = kp.per_token_fp8_quant(y.reshape(y.shape[0], -1), fp8_dtype=fp8_dtype, impl=impl)
+    return kp.fp8_linear(qa, params["w_o_fp8"], params["w_o_scale"], out_dtype=out_dtype)
+
+
+def kda_out_reference(params: dict, o, gate, *, cfg: Config = KIMI_K3, dtype=jnp.bfloat16):
+    """The bf16 reference path: jnp gated norm in ``dtype``, then a ``dtype`` o_proj (float32
+    accumulation). ``dtype=float32`` (inputs and weight upcast) gives the float32 path."""
+    y = kp.rmsnorm_gated(o.astype(dtype), params["norm"], gate.astype(dtype), cfg.kda_eps,
+                         impl="reference")
+    y = y.reshape(y.shape[0], -1)
+    return jnp.dot(y, params["w_o"].astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Running them
+# ------------------------------------------------------------------------------------------------
+
+
+def rel_error(a, b) -> float:
+    """``||a - b|| / ||b||`` over all elements, in float32."""
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def run(tokens: int = 64, impl: str = "auto", seed: int = 0, cfg: Config = KIMI_K3,
+        kda_heads=(12, 96), log=print) -> dict:
+    """Build both blocks with random weights, run every path under ``jax.jit``, return errors."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), 8)
+    bf = jnp.bfloat16
+    results = {}
+    mla = init_mla_front(keys[0], cfg)
+    x = jax.random.normal(keys[1], (tokens, cfg.hidden), jnp.float32).astype(bf)
+    t0 = time.perf_counter()
+    q, kv, pe = jax.block_until_ready(jax.jit(lambda p, x: mla_front(p, x, cfg=cfg, impl=impl))(mla, x))
+    q_r, kv_r, pe_r = jax.jit(lambda p, x: mla_front(p, x, cfg=cfg, impl="reference"))(mla, x)
+    results["mla_front"] = {"q": rel_error(q, q_r), "kv_c": rel_error(kv, kv_r),
+                            "k_pe": rel_error(pe, pe_r), "seconds": time.perf_counter() - t0}
+    log(f"MLA front-end  T={tokens} hidden={cfg.hidden} qkv_a={cfg.qkv_a_width} impl={impl}: "
+        f"q {tuple(q.shape)}; rel. error vs the bf16 reference path: q {results['mla_front']['q']:.2e}, "
+        f"kv_c {results['mla_front']['kv_c']:.2e}, k_pe {results['mla_front']['k_pe']:.2e}")
+    for i, heads in enumerate(kda_heads):
+        c = dataclasses.replace(cfg, kda_heads=heads)
+        params = init_kda_out(keys[2 + i], c)
+        k = jax.random.split(keys[6 + i % 2], 2)
+        o = jax.random.normal(k[0], (tokens, heads, c.kda_head_dim), jnp.float32).astype(bf)
+        g = jax.random.normal(k[1], (tokens, heads, c.kda_head_dim), jnp.float32).astype(bf)
+        t0 = time.perf_counter()
+        y8 = jax.jit(lambda p, o, g: kda_out_fp8(p, o, g, cfg=c, impl=impl))(params, o, g)
+        y16 = jax.jit(lambda p, o, g: kda_out_reference(p, o, g, cfg=c))(params, o, g)
+        y32 = jax.jit(lambda p, o, g: kda_out_reference(p, o, g, cfg=c, dtype=jnp.float32))(params, o, g)
+        r = {"fp8_vs_bf16": rel_error(y8, y16), "fp8_vs_f32": rel_error(y8, y32),
+             "bf16_vs_f32": rel_error(y16, y32), "seconds": time.perf_counter() - t0,
+             "fp8_dtype": str(params["w_o_fp8"].dtype)}
+        results[f"kda_out_{heads}x{c.kda_head_dim}"] = r
+        log(f"KDA output {heads}x{c.kda_head_dim} -> {c.hidden}  T={tokens} impl={impl} "
+            f"({r['fp8_dtype']}): rel. error FP8 path vs bf16 path {r['fp8_vs_bf16']:.2e} "
+            f"(FP8 vs f32 {r['fp8_vs_f32']:.2e}; bf16 vs f32 {r['bf16_vs_f32']:.2e})")
+    return results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Run the Kimi-K3 MLA front-end and KDA output blocks.")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--impl", default="auto", choices=("auto", "pallas", "interpret", "reference"))
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; "
+          f"target {kp.current_target().arch}")
+    run(args.tokens, args.impl, args.seed)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""The inference integration on a real GPU (marked ``gpu``): ``mla_q_kv_norm`` compiled, and the
+compiled HLO of it and of ``fp8_linear`` (one custom call and nothing around it; a vendor FP8
+GEMM, not an upcast), and the Kimi-K3 blocks with the compiled kernels."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import k3pallas as kp
+from k3pallas.kernels import common
+from k3pallas.models import kimi_k3
+
+from bench import hlo
+from oracle import ORACLE_TOL, REFERENCE_TOL, assert_close, f64, rmsnorm64
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("t", [1, 7, 4096, 65536])
+@pytest.mark.parametrize("rope", [64, 0])
+def test_mla_q_kv_norm_compiled(rng, t, rope):
+    a = jax.random.normal(jax.random.PRNGKey(int(rng.integers(2**31))), (t, 2048 + rope)) * 3
+    a = a.astype(jnp.bfloat16)
+    wq = jnp.asarray(rng.uniform(0.5, 1.5, 1536), jnp.bfloat16)
+    wkv = jnp.asarray(rng.uniform(-1.5, 1.5, 512), jnp.float32)
+    fn = jax.jit(lambda *x: kp.mla_q_kv_norm(*x, impl="pallas"))
+    with common.poisoned_outputs():
+        poisoned = jax.jit(lambda *x: kp.mla_q_kv_norm(*x, impl="pallas"))(a, wq, wkv)
+    out = fn(a, wq, wkv)
+    ref = kp.mla_q_kv_norm(a, wq, wkv, impl="reference")
+    for o, p, r in zip(out, poisoned, ref):
+        assert np.array_equal(np.asarray(o), np.asarray(p)), "poisoned run differs"
+        assert_close(o, r, REFERENCE_TOL["bfloat16"], "vs reference")
+    an = np.asarray(a)
+    rows = np.unique(np.concatenate([[0, t - 1], rng.integers(0, t, min(t, 256))]))
+    assert_close(np.asarray(out[0])[rows], rmsnorm64(an[rows, :1536], wq, 1e-6), ORACLE_TOL["bfloat16"])
+    assert_close(np.asarray(out[1])[rows], rmsnorm64(an[rows, 1536:2048], wkv, 1e-6), ORACLE_TOL["bfloat16"])
+    assert np.array_equal(np.asarray(out[2]), an[:, 2048:])
+
+
+def test_mla_q_kv_norm_compiles_to_one_call():
+    """The optimized HLO launches exactly one custom call (the kernel) and nothing else: no slice
+    or copy kernels. Slicing before ``fused_q_kv_rmsnorm`` launches more."""
+    a = jnp.ones((4096, 2112), jnp.bfloat16)
+    wq, wkv = jnp.ones((1536,), jnp.bfloat16), jnp.ones((512,), jnp.bfloat16)
+    text = hlo.compiled_text(lambda *x: kp.mla_q_kv_norm(*x, impl="pallas"), a, wq, wkv)
+    assert dict(hlo.data_moving_ops(text)) == {"custom-call": 1}, hlo.entry_instructions(text)
+    sliced = hlo.compiled_text(
+        lambda a, wq, wkv: kp.fused_q_kv_rmsnorm(a[:, :1536], a[:, 1536:2048], wq, wkv, impl="pallas"),
+        a, wq, wkv)
+    assert sum(hlo.data_moving_ops(sliced).values()) > 1
+
+
+def test_fp8_linear_is_an_fp8_gemm(rng):
+    """XLA rewrites the fp8 dot into cuBLASLt's FP8 GEMM; the result matches the float64
+    dequantize-then-matmul oracle."""
+    t, k, n = 256, 1536, 7168
+    x = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
+    qa = kp.per_token_fp8_quant(x, fp8_dtype="float8_e4m3fn", impl="pallas")
+    w8, ws = kp.quantize_weight_per_channel(jnp.asarray(rng.standard_normal((k, n)) * 0.02, jnp.bfloat16),
+                                            fp8_dtype="float8_e4m3fn")
+    fn = lambda qa, w8, ws: kp.fp8_linear(qa, w8, ws, out_dtype=jnp.float32)  # noqa: E731
+    text = hlo.compiled_text(fn, qa, w8, ws)
+    assert hlo.FP8_GEMM_TARGET in hlo.custom_call_targets(text), hlo.entry_instructions(text)
+    out = jax.jit(fn)(qa, w8, ws)
+    d, w = f64(qa.data) * f64(qa.scale), f64(w8) * f64(ws)
+    ref, mag = d @ w, np.abs(d) @ np.abs(w)
+    assert np.all(np.abs(f64(out) - ref) <= 1e-4 * mag)
+
+
+def test_model_blocks_on_gpu():
+    r = kimi_k3.run(tokens=256, impl="pallas", log=print)
+    assert r["mla_front"]["q"] < 1e-2 and r["mla_front"]["kv_c"] < 1e-2
+    for key in ("kda_out_12x128", "kda_out_96x128"):
+        assert r[key]["fp8_vs_bf16"] < 0.06
