@@ -33,25 +33,42 @@ def paths(tokens: int, k: int, n: int, impl: str):
     w = jax.random.normal(keys[2], (k, n), bf) * 0.02
     w8, ws = kp.quantize_weight_per_channel(w, fp8_dtype=fp8)
     qa = kp.per_token_fp8_quant(x, fp8_dtype=fp8, impl="reference")
-    w8_nk = w8.T.copy()
+    w8_nk, _ = kp.quantize_weight_per_channel(w, fp8_dtype=fp8, w_layout="nk")
+
+    def linear(w_layout, precision=None, out_dtype=bf):
+        def fn(qa, w8, ws):
+            return kp.fp8_linear(qa, w8, ws, w_layout=w_layout, precision=precision,
+                                 out_dtype=out_dtype)
+        fn.f32_output = (lambda qa, w8, ws: kp.fp8_linear(  # for the accumulation error
+            qa, w8, ws, w_layout=w_layout, precision=precision, out_dtype=jnp.float32))
+        return fn
 
     def sliced(a, wq, wkv):
         q, kv = kp.fused_q_kv_rmsnorm(a[:, :1536], a[:, 1536:2048], wq, wkv, impl=impl)
         return q, kv, a[:, 2048:]
 
-    def linear_nk(qa, w_nk, ws):  # weight stored [N, K]: contracting dim 1 on both operands
-        acc = lax.dot_general(qa.data, w_nk, (((1,), (1,)), ((), ())),
-                              preferred_element_type=jnp.float32)
-        return (acc * qa.scale * ws).astype(bf)
-
     return {
         "mla_q_kv_norm_packed": (lambda a, wq, wkv: kp.mla_q_kv_norm(a, wq, wkv, impl=impl),
                                  (qkv, wq, wkv)),
         "mla_slice_then_fused": (sliced, (qkv, wq, wkv)),
-        "fp8_linear_w_kn": (lambda qa, w8, ws: kp.fp8_linear(qa, w8, ws), (qa, w8, ws)),
-        "fp8_linear_w_nk": (linear_nk, (qa, w8_nk, ws)),
+        "fp8_linear_w_kn": (linear("kn"), (qa, w8, ws)),
+        "fp8_linear_w_nk": (linear("nk"), (qa, w8_nk, ws)),
+        "fp8_linear_w_nk_highest": (linear("nk", lax.Precision.HIGHEST), (qa, w8_nk, ws)),
         "bf16_linear": (lambda x, w: x @ w, (x, w)),
     }
+
+
+def accumulation_error(out, qa, w8, ws, rows=64) -> float:
+    """``max |out - exact| / (|a| @ |w|)`` over ``rows`` rows, with ``exact`` the float64 product
+    of the dequantized operands: the GEMM's accumulation error relative to the magnitude it
+    accumulates (``out`` is the float32-output variant, so no output rounding is included)."""
+    import numpy as np
+
+    d = np.asarray(qa.data[:rows].astype(jnp.float32), np.float64) * np.asarray(qa.scale[:rows])
+    w = np.asarray(w8.astype(jnp.float32), np.float64)
+    w = (w if w.shape[0] == d.shape[1] else w.T) * np.asarray(ws, np.float64)
+    exact, mag = d @ w, np.abs(d) @ np.abs(w)
+    return float(np.max(np.abs(np.asarray(out[:rows], np.float64) - exact) / mag))
 
 
 def main(argv=None):
@@ -75,15 +92,19 @@ def main(argv=None):
         if on_gpu:
             t = timing.time_device(jax.jit(fn), [fargs], n_calls=20)
             row.update(device_us=round(t.median_us, 2), kernels=list(t.kernel_names))
+        if name.startswith("fp8_linear"):
+            row["max_err_over_magnitude"] = accumulation_error(jax.jit(fn.f32_output)(*fargs), *fargs)
         rows.append(row)
         print(row, file=sys.stderr, flush=True)
     lines = [f"# Compiled HLO of the integration paths ({jax.devices()[0].device_kind}, jax "
              f"{jax.__version__}; T={args.tokens}, o_proj K={args.k} N={args.n})", "",
-             "| path | launched ENTRY ops | custom calls | FP8 GEMM | device us |",
-             "| --- | --- | --- | --- | --- |"]
+             "| path | launched ENTRY ops | custom calls | FP8 GEMM | device us | max err / magnitude |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        err = r.get("max_err_over_magnitude")
         lines.append(f"| {r['path']} | {r['launched']} | {', '.join(r['custom_calls'])} | "
-                     f"{r['fp8_gemm']} | {r.get('device_us', '-')} |")
+                     f"{r['fp8_gemm']} | {r.get('device_us', '-')} | "
+                     f"{'-' if err is None else f'{err:.2e}'} |")
     write_report(args.out, "hlo_report", "\n".join(lines) + "\n",
                  {"tokens": args.tokens, "k": args.k, "n": args.n, "rows": rows})
     print("\n".join(lines))

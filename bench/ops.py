@@ -7,6 +7,13 @@ Variants (same inputs, same process):
   then ``per_token_fp8_quant``), where the op has one;
 * ``xla``: the jnp reference compiled by XLA (what a JAX user gets without this package);
 * ``copy``: a device-to-device copy moving the same number of bytes, the bandwidth ceiling.
+
+Two integration paths are measured the same way: ``mla_q_kv_norm`` on the packed MLA projection
+(``unfused`` there: XLA slices the packed rows, then ``fused_q_kv_rmsnorm``), and
+``kda_output_fp8``, the KDA output path up to the FP8 o_proj (``k3pallas``: the fused gated FP8
+kernel then ``fp8_linear``; ``unfused``: ``rmsnorm_gated``, ``per_token_fp8_quant``, then
+``fp8_linear``; ``xla``: the jnp norm and quant, then ``fp8_linear``; ``bf16``: the jnp gated
+norm in bf16 and a bf16 o_proj). The o_proj GEMM dominates there, so "% copy" says little.
 """
 
 from __future__ import annotations
@@ -121,6 +128,60 @@ def make_case(op: str, config_name: str, tokens: int, dtype: str, impl: str) -> 
         inb = _nbytes((tokens, n), dt)
         outb = tokens * n + 4 * tokens
         launch = platform.launch_config(op, tokens, *gated_fp8.quant_row_elems(n))
+    elif op == "mla_q_kv_norm":
+        dq, dkv, rope, eps = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.rope_dim, cfg.eps
+        width = dq + dkv + rope
+
+        def make(seed):
+            k = jax.random.split(jax.random.PRNGKey(seed), 3)
+            return (_rand(k[0], (tokens, width), dt), _rand(k[1], (dq,), dt), _rand(k[2], (dkv,), dt))
+
+        def sliced(a, wq, wkv):
+            q, kv = kp.fused_q_kv_rmsnorm(a[:, :dq], a[:, dq:dq + dkv], wq, wkv, eps, impl=impl)
+            return q, kv, a[:, dq + dkv:]
+        variants = {
+            "k3pallas": j(lambda a, wq, wkv: kp.mla_q_kv_norm(a, wq, wkv, eps, q_size=dq,
+                                                              kv_size=dkv, impl=impl)),
+            "unfused": j(sliced),
+            "xla": j(lambda a, wq, wkv: kp.mla_q_kv_norm(a, wq, wkv, eps, q_size=dq, kv_size=dkv,
+                                                         impl="reference")),
+        }
+        inb = _nbytes((tokens, width), dt) + _nbytes((dq + dkv,), dt)
+        outb = _nbytes((tokens, width), dt)
+        launch = platform.launch_config(op, tokens, *rmsnorm_kernels.row_elems((dq, dkv, rope)))
+    elif op == "kda_output_fp8":
+        h, d, eps, hidden = cfg.heads, cfg.head_dim, cfg.eps, cfg.hidden
+        # One weight for every input set (it is a parameter; rotation applies to activations).
+        w_o = _rand(jax.random.PRNGKey(1234), (h * d, hidden), dt) * (h * d) ** -0.5
+        w8, ws = kp.quantize_weight_per_channel(w_o, fp8_dtype=fp8_dtype, w_layout="nk")
+
+        def make(seed):
+            k = jax.random.split(jax.random.PRNGKey(seed), 3)
+            return (_rand(k[0], (tokens, h, d), dt), _rand(k[1], (d,), jnp.float32),
+                    _rand(k[2], (tokens, h, d), dt), w8, ws, w_o)
+
+        def o_proj(qa, w8, ws):
+            return kp.fp8_linear(qa, w8, ws, out_dtype=dt, w_layout="nk")
+
+        def fused(x, w, g, w8, ws, w_o):
+            return o_proj(kp.rmsnorm_gated_fp8_per_token(x, w, g, eps, fp8_dtype=fp8_dtype,
+                                                         impl=impl), w8, ws)
+
+        def unfused(x, w, g, w8, ws, w_o):
+            y = kp.rmsnorm_gated(x, w, g, eps, impl=impl).reshape(tokens, h * d)
+            return o_proj(kp.per_token_fp8_quant(y, fp8_dtype=fp8_dtype, impl=impl), w8, ws)
+
+        def xla(x, w, g, w8, ws, w_o):
+            return o_proj(kp.rmsnorm_gated_fp8_per_token(x, w, g, eps, fp8_dtype=fp8_dtype,
+                                                         impl="reference"), w8, ws)
+
+        def bf16(x, w, g, w8, ws, w_o):
+            y = kp.rmsnorm_gated(x, w, g, eps, impl="reference").reshape(tokens, h * d)
+            return jnp.dot(y, w_o, preferred_element_type=jnp.float32).astype(dt)
+        variants = {"k3pallas": j(fused), "unfused": j(unfused), "xla": j(xla), "bf16": j(bf16)}
+        inb = 2 * _nbytes((tokens, h, d), dt) + _nbytes((d,), jnp.float32) + h * d * hidden
+        outb = _nbytes((tokens, hidden), dt)
+        launch = platform.launch_config("rmsnorm_gated_fp8", tokens, *gated_fp8.gated_row_elems(h, d))
     else:
         raise KeyError(f"unknown op {op!r}; known: {shapes.OPS}")
     return Case(op, config_name, tokens, dt.name, make, variants, inb + outb, inb,

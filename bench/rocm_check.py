@@ -52,7 +52,7 @@ def _cases(tokens, ops):
     from bench import shapes
 
     for op, cfgs in shapes.OP_CONFIGS.items():
-        if ops and op not in ops:
+        if (ops and op not in ops) or op in shapes.NO_KERNEL_OF_ITS_OWN:
             continue
         for cfg in cfgs:
             for t in tokens:
@@ -76,6 +76,10 @@ def _op_fn(op, cfg_name, t):
     if op == "rmsnorm":
         return (lambda *a: kp.rmsnorm(*a, impl="pallas"),
                 [s((t, cfg.q_lora_rank), bf16), s((cfg.q_lora_rank,), bf16)])
+    if op == "mla_q_kv_norm":
+        return (lambda *a: kp.mla_q_kv_norm(*a, impl="pallas"),
+                [s((t, cfg.q_lora_rank + cfg.kv_lora_rank + cfg.rope_dim), bf16),
+                 s((cfg.q_lora_rank,), bf16), s((cfg.kv_lora_rank,), bf16)])
     h, d = getattr(cfg, "heads", 0), getattr(cfg, "head_dim", 0)
     if op == "rmsnorm_gated":
         return (lambda *a: kp.rmsnorm_gated(*a, impl="pallas"),

@@ -115,7 +115,7 @@ def markdown(records: list[dict], env: dict) -> str:
     for r in records:
         groups.setdefault((r["op"], r["config"], r["dtype"]), {}).setdefault(r["tokens"], {})[r["variant"]] = r
     for (op, cfg, dtype), by_t in groups.items():
-        variants = [v for v in ("unfused", "xla") if any(v in d for d in by_t.values())]
+        variants = [v for v in ("unfused", "xla", "bf16") if any(v in d for d in by_t.values())]
         out.append(f"## {op} · {cfg} · {dtype}")
         out.append("")
         head = ["T", "k3pallas us (n)", "GB/s", "% copy"]
@@ -155,7 +155,7 @@ def plot(records: list[dict], env: dict, path: str) -> bool:
     rows = (n + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
     for ax, ((op, cfg), rs) in zip(axes.flat, groups.items()):
-        for variant in ("k3pallas", "unfused", "xla", "copy"):
+        for variant in ("k3pallas", "unfused", "xla", "bf16", "copy"):
             pts = sorted((r["tokens"], r["gb_per_s"]) for r in rs if r["variant"] == variant)
             if pts:
                 style = dict(ls="--", color="gray") if variant == "copy" else dict(marker="o")

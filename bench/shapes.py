@@ -12,6 +12,7 @@ class MLAConfig:
     q_lora_rank: int
     kv_lora_rank: int
     eps: float = 1e-6
+    rope_dim: int = 64  # the k_pe columns of the packed projection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +21,7 @@ class KDAConfig:
     heads: int
     head_dim: int
     eps: float = 1e-5
+    hidden: int = 7168  # o_proj output width: Kimi-K3's hidden size (used by kda_output_fp8)
 
 
 MLA = {
@@ -42,8 +44,13 @@ OP_CONFIGS = {
     "rmsnorm_gated": ("kimi-linear-kda", "kimi-k3-kda-tp8"),
     "rmsnorm_gated_fp8_per_token": ("kimi-linear-kda", "kimi-k3-kda-tp8", "kimi-k3-kda"),
     "per_token_fp8_quant": ("kimi-linear-kda",),  # the o_proj input, H*D wide
+    # Integration paths: the packed MLA projection; the KDA output path with its FP8 o_proj.
+    "mla_q_kv_norm": ("deepseek-v3-mla",),
+    "kda_output_fp8": ("kimi-k3-kda-tp8", "kimi-k3-kda"),
 }
 OPS = tuple(OP_CONFIGS)
+# Paths whose only Pallas kernel is another op's (the ROCm compile gate skips them).
+NO_KERNEL_OF_ITS_OWN = ("kda_output_fp8",)
 
 
 def config(name: str):

@@ -32,6 +32,9 @@ def all_ops(rng):
     x, w, g = _gated(rng)
     return {
         "fused_q_kv_rmsnorm": (kp.fused_q_kv_rmsnorm, (q, kv, wq, wkv)),
+        "mla_q_kv_norm": (lambda a, wq, wkv, **kw: kp.mla_q_kv_norm(a, wq, wkv, q_size=64,
+                                                                    kv_size=16, **kw),
+                          (jnp.concatenate([q, kv, kv[:, :3]], axis=-1), wq, wkv)),
         "rmsnorm": (kp.rmsnorm, (q, wq)),
         "rmsnorm_gated": (kp.rmsnorm_gated, (x, w, g)),
         "rmsnorm_gated_fp8_per_token": (kp.rmsnorm_gated_fp8_per_token, (x, w, g)),
@@ -39,7 +42,7 @@ def all_ops(rng):
     }
 
 
-OPS = ["fused_q_kv_rmsnorm", "rmsnorm", "rmsnorm_gated", "rmsnorm_gated_fp8_per_token",
+OPS = ["fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm", "rmsnorm_gated", "rmsnorm_gated_fp8_per_token",
        "per_token_fp8_quant"]
 IMPLS = ["interpret", "reference"]
 

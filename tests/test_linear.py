@@ -68,7 +68,8 @@ def _oracle(data, scale, w8, ws):
 @pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz"])
 @pytest.mark.parametrize("groups", [1, 4])
 @pytest.mark.parametrize("lead", [(5,), (2, 3)])
-def test_fp8_linear_against_oracle(rng, name, groups, lead):
+@pytest.mark.parametrize("w_layout", ["kn", "nk"])
+def test_fp8_linear_against_oracle(rng, name, groups, lead, w_layout):
     k, n = 256, 96
     x = jnp.asarray(rng.standard_normal(lead + (groups, k // groups)) * rng.uniform(0.1, 10, groups)[:, None],
                     jnp.float32)
@@ -77,13 +78,15 @@ def test_fp8_linear_against_oracle(rng, name, groups, lead):
     data = jnp.concatenate([p.data for p in parts], axis=-1)
     scale = jnp.concatenate([p.scale for p in parts], axis=-1)
     w8, ws = kp.quantize_weight_per_channel(jnp.asarray(rng.standard_normal((k, n)), jnp.float32),
-                                            fp8_dtype=name)
-    ref, mag = _oracle(data, scale, w8, ws)
+                                            fp8_dtype=name, w_layout=w_layout)
+    assert w8.shape == ((k, n) if w_layout == "kn" else (n, k))
+    ref, mag = _oracle(data, scale, w8 if w_layout == "kn" else w8.T, ws)
     out32 = jax.jit(lambda a, s, w, v: kp.fp8_linear(kp.QuantizedActivation(a, s), w, v,
-                                                     out_dtype=jnp.float32))(data, scale, w8, ws)
+                                                     out_dtype=jnp.float32, w_layout=w_layout))(
+        data, scale, w8, ws)
     assert out32.shape == lead + (n,) and out32.dtype == jnp.float32
     assert np.all(np.abs(f64(out32) - ref) <= 1e-5 * mag + 1e-30), "f32 output vs oracle"
-    out16 = kp.fp8_linear((data, scale), w8, ws)  # default bf16, a plain tuple works too
+    out16 = kp.fp8_linear((data, scale), w8, ws, w_layout=w_layout)  # bf16; a plain tuple works
     assert out16.dtype == jnp.bfloat16
     assert np.all(np.abs(f64(out16) - ref) <= 2**-8 * np.abs(ref) + 1e-5 * mag), "bf16 vs oracle"
 
@@ -105,15 +108,17 @@ def test_fp8_linear_scalar_weight_scale(rng):
     (dict(scale=jnp.ones((3, 1), jnp.bfloat16)), TypeError, "float32"),
     (dict(ws=jnp.ones((7,), jnp.float32)), ValueError, "w_scale must have shape"),
     (dict(out_dtype=jnp.int8), TypeError, "out_dtype"),
+    (dict(w_layout="kn8"), ValueError, "w_layout must be"),
+    (dict(w_layout="nk"), ValueError, r"w_fp8 \[N, K\]"),
 ])
 def test_fp8_linear_bad_input(change, err, match):
     args = dict(data=jnp.zeros((3, 64), jnp.float8_e4m3fn), scale=jnp.ones((3, 1), jnp.float32),
                 w8=jnp.zeros((64, 8), jnp.float8_e4m3fn), ws=jnp.ones((8,), jnp.float32),
-                out_dtype=jnp.bfloat16)
+                out_dtype=jnp.bfloat16, w_layout="kn")
     args.update(change)
     with pytest.raises(err, match=match):
         kp.fp8_linear(kp.QuantizedActivation(args["data"], args["scale"]), args["w8"], args["ws"],
-                      out_dtype=args["out_dtype"])
+                      out_dtype=args["out_dtype"], w_layout=args["w_layout"])
     with pytest.raises(TypeError, match="QuantizedActivation"):
         kp.fp8_linear(args["data"], args["w8"], args["ws"])
 

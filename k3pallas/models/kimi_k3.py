@@ -89,10 +89,11 @@ def mla_front(params: dict, x, *, cfg: Config = KIMI_K3, impl: str = "auto"):
 
 
 def init_kda_out(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16, fp8_dtype=None) -> dict:
-    """Norm weight, bf16 o_proj ``[H * 128, hidden]`` and its per-channel FP8 copy."""
+    """Norm weight, bf16 o_proj ``[H * 128, hidden]`` and its per-channel FP8 copy, stored
+    ``[hidden, H * 128]`` (``w_layout="nk"``: what the FP8 GEMMs read without a transpose)."""
     k = jax.random.split(key, 2)
     w_o = _dense(k[1], cfg.kda_heads * cfg.kda_head_dim, cfg.hidden, dtype)
-    w_o_fp8, w_o_scale = kp.quantize_weight_per_channel(w_o, fp8_dtype=fp8_dtype)
+    w_o_fp8, w_o_scale = kp.quantize_weight_per_channel(w_o, fp8_dtype=fp8_dtype, w_layout="nk")
     return {
         "norm": (1 + 0.1 * jax.random.normal(k[0], (cfg.kda_head_dim,))).astype(jnp.float32),
         "w_o": w_o, "w_o_fp8": w_o_fp8, "w_o_scale": w_o_scale,
@@ -113,7 +114,8 @@ def kda_out_fp8(params: dict, o, gate, *, cfg: Config = KIMI_K3, impl: str = "au
     else:
         y = kp.rmsnorm_gated(o, params["norm"], gate, cfg.kda_eps, impl=impl)
         qa = kp.per_token_fp8_quant(y.reshape(y.shape[0], -1), fp8_dtype=fp8_dtype, impl=impl)
-    return kp.fp8_linear(qa, params["w_o_fp8"], params["w_o_scale"], out_dtype=out_dtype)
+    return kp.fp8_linear(qa, params["w_o_fp8"], params["w_o_scale"], out_dtype=out_dtype,
+                         w_layout="nk")
 
 
 def kda_out_reference(params: dict, o, gate, *, cfg: Config = KIMI_K3, dtype=jnp.bfloat16):
