@@ -28,6 +28,37 @@ def triton_compiler_params(num_warps: int, num_stages: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def _varying_axes(arrays) -> frozenset:
+    """Mesh axes the arrays vary over inside ``shard_map`` (empty outside it)."""
+    axes = frozenset()
+    for a in arrays:
+        t = getattr(jax.typeof(a), "manual_axis_type", None)
+        axes |= frozenset(getattr(t, "varying", None) or ())
+    return axes
+
+
+def match_varying(row_inputs, shared_inputs):
+    """Inside ``shard_map`` (default ``check_vma=True``): the row inputs and the weights of a
+    kernel, all varying over the same mesh axes, and the ``manual_axis_type`` its outputs need.
+
+    A ``pallas_call`` there must say over which mesh axes each output varies (its inputs' axes),
+    and interpret mode mixes the weights with the rows, so replicated weights are marked varying
+    too (``jax.lax.pcast(..., to="varying")``: no data moves). Outside shard_map nothing changes
+    and the type is None. ``jax.typeof(a).manual_axis_type`` and ``pcast`` exist in jax 0.10.2
+    through 0.12.
+    """
+    axes = _varying_axes(list(row_inputs) + list(shared_inputs))
+    if not axes:
+        return list(row_inputs), list(shared_inputs), None
+
+    def widen(a):
+        missing = tuple(sorted(axes - _varying_axes([a])))
+        return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+    rows = [widen(a) for a in row_inputs]
+    return rows, [widen(a) for a in shared_inputs], jax.typeof(rows[0]).manual_axis_type
+
+
 def abstract_target_device():
     """The ``AbstractDevice`` of the abstract mesh in scope (deviceless lowering), or None.
 

@@ -15,6 +15,7 @@ No kernel code lives here. Every function:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -23,8 +24,10 @@ import jax.numpy as jnp
 from k3pallas import fp8 as fp8_lib
 from k3pallas import platform
 from k3pallas import reference
+from k3pallas import sharding
 from k3pallas._checks import static_positive_float
 from k3pallas.fp8 import QuantizedActivation
+from k3pallas.sharding import Rule
 from k3pallas.kernels import gated_fp8 as gated_kernels
 from k3pallas.kernels import rmsnorm as rmsnorm_kernels
 
@@ -121,6 +124,82 @@ def _rows(a, trailing: int):
 
 
 # ------------------------------------------------------------------------------------------------
+# The kernel paths on one device's arrays, and how they shard (k3pallas.sharding)
+# ------------------------------------------------------------------------------------------------
+
+_RMSNORM_RULE = Rule("... d, d -> ... d", fixed=(("d", "the normalized (last) axis of x"),))
+_FUSED_RULE = Rule("... q, ... k, q, k -> ... q, ... k",
+                   fixed=(("q", "the last axis of q_c"), ("k", "the last axis of kv_c")))
+_MLA_FIXED = (("w", "the packed (last) axis of qkv_a"),)
+_MLA_RULES = {True: Rule("... w, q, k -> ... q, ... k, ... r", fixed=_MLA_FIXED),
+              False: Rule("... w, q, k -> ... q, ... k", fixed=_MLA_FIXED)}
+_GATED_RULE = Rule("... h d, d, ... h d -> ... h d", fixed=(("d", "the head dim (last axis) of x"),))
+# x and gate as [..., G, H / G, D]: the scale reduces over j, the heads of a group.
+_GATED_FP8_RULE = Rule("... g j d, d, ... g j d -> ... g j d, ... g",
+                       fixed=(("d", "the head dim (last axis) of x"),), reduced=("j",))
+_QUANT_RULE = Rule("... g j -> ... g j, ... g", reduced=("j",))
+
+
+def _rmsnorm_local(x, w, *, eps, interpret, reduce_axes):
+    (y,) = rmsnorm_kernels.rmsnorm_rows([_rows(x, 1)], [w], [eps], op="rmsnorm",
+                                        interpret=interpret)
+    return y.reshape(x.shape)
+
+
+def _fused_local(q, kv, wq, wkv, *, eps, kv_eps, interpret, reduce_axes):
+    q_out, kv_out = rmsnorm_kernels.rmsnorm_rows([_rows(q, 1), _rows(kv, 1)], [wq, wkv],
+                                                 [eps, kv_eps], op="fused_q_kv_rmsnorm",
+                                                 interpret=interpret)
+    return q_out.reshape(q.shape), kv_out.reshape(kv.shape)
+
+
+def _mla_local(a, wq, wkv, *, q_size, kv_size, eps, kv_eps, interpret, reduce_axes):
+    rope = a.shape[-1] - q_size - kv_size
+    segments = [rmsnorm_kernels.Segment(0, 0, q_size, eps),
+                rmsnorm_kernels.Segment(0, q_size, kv_size, kv_eps)]
+    if rope:
+        segments.append(rmsnorm_kernels.Segment(0, q_size + kv_size, rope, None))
+    outs = rmsnorm_kernels.segments_rows([_rows(a, 1)], segments, [wq, wkv], op="mla_q_kv_norm",
+                                         interpret=interpret)
+    return tuple(o.reshape(a.shape[:-1] + (o.shape[-1],)) for o in outs)
+
+
+def _gated_local(x, w, g, *, eps, activation, interpret, reduce_axes):
+    y = gated_kernels.rmsnorm_gated_rows(_rows(x, 2), _rows(g, 2), w, eps=eps,
+                                         activation=activation, quant=None, interpret=interpret)
+    return y.reshape(x.shape)
+
+
+def _gated_fp8_local(x, w, g, *, eps, activation, quant, interpret, reduce_axes):
+    """x, g ``[..., G, j, D]`` -> (codes of that shape, scale ``[..., G]``). With the heads of a
+    group split over devices (``reduce_axes``): the scale of each device's heads, their maximum
+    across the devices, then the codes with it."""
+    rows = functools.partial(gated_kernels.rmsnorm_gated_rows, _rows(x, 2), _rows(g, 2), w,
+                             eps=eps, activation=activation, quant=quant, interpret=interpret)
+    if reduce_axes:
+        _, scale = rows(mode="scale_only")
+        scale = sharding.max_over(scale, reduce_axes)
+        codes, _ = rows(mode="given_scale", scale=scale)
+    else:
+        codes, scale = rows()
+    return codes.reshape(x.shape), scale.reshape(x.shape[:-2])
+
+
+def _quant_local(x, *, quant, interpret, reduce_axes):
+    """x ``[..., G, j]`` -> (codes of that shape, scale ``[..., G]``); ``reduce_axes`` as in
+    ``_gated_fp8_local``."""
+    rows = functools.partial(gated_kernels.per_token_fp8_rows, _rows(x, 1), quant=quant,
+                             interpret=interpret)
+    if reduce_axes:
+        _, scale = rows(mode="scale_only")
+        scale = sharding.max_over(scale, reduce_axes)
+        codes, _ = rows(mode="given_scale", scale=scale)
+    else:
+        codes, scale = rows()
+    return codes.reshape(x.shape), scale.reshape(x.shape[:-1])
+
+
+# ------------------------------------------------------------------------------------------------
 # Joint q/kv RMSNorm and RMSNorm
 # ------------------------------------------------------------------------------------------------
 
@@ -149,16 +228,11 @@ def rmsnorm(x, weight, eps=1e-6, *, impl="auto"):
     impl = _resolve_impl(impl, op)
     if impl == "reference":
         return _inference_only(op, lambda a, w: reference.rmsnorm(a, w, eps), x, weight)
-    x2 = _rows(x, 1)
-    if x2.shape[0] == 0:
+    if math.prod(x.shape[:-1]) == 0:
         return jnp.zeros(x.shape, x.dtype)
-
-    def run(a, w):
-        (y,) = rmsnorm_kernels.rmsnorm_rows([a], [w], [eps], op=op,
-                                            interpret=impl == "interpret")
-        return y
-
-    return _inference_only(op, run, x2, weight).reshape(x.shape)
+    run = sharding.partitioned(op, _RMSNORM_RULE, _rmsnorm_local, eps=eps,
+                               interpret=impl == "interpret")
+    return _inference_only(op, run, x, weight)
 
 
 def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, impl="auto"):
@@ -191,17 +265,11 @@ def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None,
         return _inference_only(
             op, lambda q, kv, wq, wkv: reference.fused_q_kv_rmsnorm(q, kv, wq, wkv, eps, kv_eps),
             q_c, kv_c, q_weight, kv_weight)
-    q2 = _rows(q_c, 1)
-    kv2 = _rows(kv_c, 1)
-    if q2.shape[0] == 0:
+    if math.prod(q_c.shape[:-1]) == 0:
         return jnp.zeros(q_c.shape, q_c.dtype), jnp.zeros(kv_c.shape, kv_c.dtype)
-
-    def run(q, kv, wq, wkv):
-        return tuple(rmsnorm_kernels.rmsnorm_rows([q, kv], [wq, wkv], [eps, kv_eps], op=op,
-                                                  interpret=impl == "interpret"))
-
-    q_out, kv_out = _inference_only(op, run, q2, kv2, q_weight, kv_weight)
-    return q_out.reshape(q_c.shape), kv_out.reshape(kv_c.shape)
+    run = sharding.partitioned(op, _FUSED_RULE, _fused_local, eps=eps, kv_eps=kv_eps,
+                               interpret=impl == "interpret")
+    return tuple(_inference_only(op, run, q_c, kv_c, q_weight, kv_weight))
 
 
 def _check_size(op, name, value, minimum):
@@ -253,23 +321,16 @@ def mla_q_kv_norm(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_size=1
         return _inference_only(
             op, lambda a, wq, wkv: reference.mla_q_kv_norm(a, wq, wkv, eps, kv_eps, q_size, kv_size),
             qkv_a, q_weight, kv_weight)
-    a2 = _rows(qkv_a, 1)
     widths = (q_size, kv_size, rope)
-    if a2.shape[0] == 0:
+    if math.prod(lead) == 0:
         return tuple(jnp.zeros(lead + (w,), qkv_a.dtype) for w in widths)
-    segments = [rmsnorm_kernels.Segment(0, 0, q_size, eps),
-                rmsnorm_kernels.Segment(0, q_size, kv_size, kv_eps)]
-    if rope:
-        segments.append(rmsnorm_kernels.Segment(0, q_size + kv_size, rope, None))
-
-    def run(a, wq, wkv):
-        return tuple(rmsnorm_kernels.segments_rows([a], segments, [wq, wkv], op=op,
-                                                   interpret=impl == "interpret"))
-
-    outs = _inference_only(op, run, a2, q_weight, kv_weight)
+    run = sharding.partitioned(op, _MLA_RULES[bool(rope)], _mla_local, q_size=q_size,
+                               kv_size=kv_size, eps=eps, kv_eps=kv_eps,
+                               interpret=impl == "interpret")
+    outs = tuple(_inference_only(op, run, qkv_a, q_weight, kv_weight))
     if not rope:
-        outs = outs + (jnp.zeros((a2.shape[0], 0), qkv_a.dtype),)
-    return tuple(o.reshape(lead + (w,)) for o, w in zip(outs, widths))
+        outs = outs + (jnp.zeros(lead + (0,), qkv_a.dtype),)
+    return outs
 
 
 # ------------------------------------------------------------------------------------------------
@@ -289,6 +350,13 @@ _FP8_DOC = """
         57344 (e5m2); at most the format's largest finite value.
       min_scale: default ``1 / (fp8_max * 512)``.
       scale_ub: optional upper bound on ``amax`` (default None: no bound).
+      scale_groups: ``G`` (default 1), a Python int dividing the quantized axis: one scale per
+        token for each of ``G`` equal, contiguous column groups (of heads, for the gated op),
+        ``scale [..., G]``; ``fp8_linear`` takes it. Sharded over a mesh axis (heads under
+        tensor parallelism), a multiple of the shard count keeps every scale local to one
+        device (what a row-parallel o_proj consumes: each rank quantizes its slice); ``G = 1``
+        gives one scale per token across all shards (an all-reduce max of the per-shard
+        scales). See ``k3pallas.sharding``.
 """
 
 
@@ -324,45 +392,45 @@ def rmsnorm_gated(x, weight, gate, eps=1e-5, *, activation="sigmoid", impl="auto
     if impl == "reference":
         return _inference_only(
             op, lambda a, w, g: reference.rmsnorm_gated(a, w, g, eps, activation), x, weight, gate)
-    x3 = _rows(x, 2)
-    g3 = _rows(gate, 2)
-    if x3.shape[0] == 0:
+    if math.prod(x.shape[:-2]) == 0:
         return jnp.zeros(x.shape, x.dtype)
+    run = sharding.partitioned(op, _GATED_RULE, _gated_local, eps=eps, activation=activation,
+                               interpret=impl == "interpret")
+    return _inference_only(op, run, x, weight, gate)
 
-    def run(a, w, g):
-        return gated_kernels.rmsnorm_gated_rows(a, g, w, eps=eps, activation=activation,
-                                                quant=None, interpret=impl == "interpret")
 
-    return _inference_only(op, run, x3, weight, g3).reshape(x.shape)
+def _check_groups(op, scale_groups, n, what):
+    _check_size(op, "scale_groups", scale_groups, 1)
+    if n % scale_groups:
+        raise ValueError(f"{op}: scale_groups={scale_groups} must divide {what} ({n})")
+    return scale_groups
 
 
 def rmsnorm_gated_fp8_per_token(x, weight, gate, eps=1e-5, *, activation="sigmoid",
                                 fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None,
-                                impl="auto") -> QuantizedActivation:
+                                scale_groups=1, impl="auto") -> QuantizedActivation:
     op = "rmsnorm_gated_fp8_per_token"
     eps = _check_gated(op, x, weight, gate, eps, activation)
     q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub)
+    heads, dim = x.shape[-2:]
+    groups = _check_groups(op, scale_groups, heads, "the number of heads")
     impl = _resolve_impl(impl, op)
     lead = x.shape[:-2]
-    width = x.shape[-2] * x.shape[-1]
+    # Groups of heads as rows of their own: [..., G, H / G, D].
+    xg = x.reshape(lead + (groups, heads // groups, dim))
+    gg = gate.reshape(xg.shape)
     if impl == "reference":
         data, scale = _inference_only(
             op, lambda a, w, g: reference.rmsnorm_gated_fp8_per_token(
                 a, w, g, eps, activation, q.dtype, q.fp8_max, q.min_scale, q.scale_ub),
-            x, weight, gate)
-        return QuantizedActivation(data, scale)
-    x3 = _rows(x, 2)
-    g3 = _rows(gate, 2)
-    if x3.shape[0] == 0:
-        return QuantizedActivation(jnp.zeros(lead + (width,), q.dtype),
-                                   jnp.zeros(lead + (1,), jnp.float32))
-
-    def run(a, w, g):
-        return gated_kernels.rmsnorm_gated_rows(a, g, w, eps=eps, activation=activation, quant=q,
-                                                interpret=impl == "interpret")
-
-    codes, scale = _inference_only(op, run, x3, weight, g3)
-    return QuantizedActivation(codes.reshape(lead + (width,)), scale.reshape(lead + (1,)))
+            xg, weight, gg)
+    elif math.prod(lead) == 0:
+        data, scale = jnp.zeros(lead + (heads * dim,), q.dtype), jnp.zeros(lead + (groups,), jnp.float32)
+    else:
+        run = sharding.partitioned(op, _GATED_FP8_RULE, _gated_fp8_local, eps=eps,
+                                   activation=activation, quant=q, interpret=impl == "interpret")
+        data, scale = _inference_only(op, run, xg, weight, gg)
+    return QuantizedActivation(data.reshape(lead + (heads * dim,)), scale.reshape(lead + (groups,)))
 
 
 rmsnorm_gated_fp8_per_token.__doc__ = """Gated RMSNorm fused with dynamic per-token FP8, ONE launch.
@@ -374,7 +442,7 @@ rmsnorm_gated_fp8_per_token.__doc__ = """Gated RMSNorm fused with dynamic per-to
       x, gate: ``[..., H, D]``; weight ``[D]``; eps (default 1e-5); activation "sigmoid" | "silu".
 """ + _FP8_DOC + """      impl: "auto", "pallas", "interpret" or "reference".
 
-    Returns: ``QuantizedActivation(data [..., H*D] fp8, scale [..., 1] float32)``.
+    Returns: ``QuantizedActivation(data [..., H*D] fp8, scale [..., G] float32)``.
 
     Raises: TypeError / ValueError naming the bad argument; RuntimeError for impl="pallas"
     without a GPU target; TypeError on any gradient.
@@ -382,26 +450,26 @@ rmsnorm_gated_fp8_per_token.__doc__ = """Gated RMSNorm fused with dynamic per-to
 
 
 def per_token_fp8_quant(x, *, fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None,
-                        impl="auto") -> QuantizedActivation:
+                        scale_groups=1, impl="auto") -> QuantizedActivation:
     op = "per_token_fp8_quant"
     _check_array(op, "x", x)
     q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub)
+    n = x.shape[-1]
+    groups = _check_groups(op, scale_groups, n, "the last dim of x")
     impl = _resolve_impl(impl, op)
     lead = x.shape[:-1]
+    xg = x.reshape(lead + (groups, n // groups))
     if impl == "reference":
         data, scale = _inference_only(
             op, lambda a: reference.per_token_fp8_quant(a, q.dtype, q.fp8_max, q.min_scale,
-                                                        q.scale_ub), x)
-        return QuantizedActivation(data, scale)
-    x2 = _rows(x, 1)
-    if x2.shape[0] == 0:
-        return QuantizedActivation(jnp.zeros(x.shape, q.dtype), jnp.zeros(lead + (1,), jnp.float32))
-
-    def run(a):
-        return gated_kernels.per_token_fp8_rows(a, quant=q, interpret=impl == "interpret")
-
-    codes, scale = _inference_only(op, run, x2)
-    return QuantizedActivation(codes.reshape(x.shape), scale.reshape(lead + (1,)))
+                                                        q.scale_ub), xg)
+    elif math.prod(lead) == 0:
+        data, scale = jnp.zeros(x.shape, q.dtype), jnp.zeros(lead + (groups,), jnp.float32)
+    else:
+        run = sharding.partitioned(op, _QUANT_RULE, _quant_local, quant=q,
+                                   interpret=impl == "interpret")
+        data, scale = _inference_only(op, run, xg)
+    return QuantizedActivation(data.reshape(x.shape), scale.reshape(lead + (groups,)))
 
 
 per_token_fp8_quant.__doc__ = """Dynamic per-token FP8 of ``x [..., N]`` (an already-normed activation).
@@ -410,7 +478,7 @@ per_token_fp8_quant.__doc__ = """Dynamic per-token FP8 of ``x [..., N]`` (an alr
       x: ``[..., N]`` float16 / bfloat16 / float32.
 """ + _FP8_DOC + """      impl: "auto", "pallas", "interpret" or "reference".
 
-    Returns: ``QuantizedActivation(data [..., N] fp8, scale [..., 1] float32)``.
+    Returns: ``QuantizedActivation(data [..., N] fp8, scale [..., G] float32)``.
 
     Raises: TypeError / ValueError naming the bad argument; RuntimeError for impl="pallas"
     without a GPU target; TypeError on any gradient.

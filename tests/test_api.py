@@ -217,6 +217,10 @@ def test_jit_vmap_and_leading_shapes(rng, impl):
     assert np.array_equal(np.asarray(qa.data).view(np.uint8), np.asarray(direct.data).view(np.uint8))
     qb = jax.jit(jax.vmap(lambda a: kp.per_token_fp8_quant(a, impl=impl)))(q)
     assert qb.data.shape == q.shape and qb.scale.shape == (2, 3, 1)
+    # A batched weight too (one call per batch element there).
+    wb = jnp.stack([wq, 2 * wq])
+    yb = jax.jit(jax.vmap(lambda a, w: kp.rmsnorm(a, w, impl=impl)))(q, wb)
+    assert_close(yb[1], rmsnorm64(q[1], 2 * wq, 1e-6), ORACLE_TOL["float32"])
 
 
 @pytest.mark.parametrize("impl", IMPLS)

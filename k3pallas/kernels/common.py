@@ -16,6 +16,7 @@ import contextvars
 import math
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 
 from k3pallas import _compat
@@ -155,6 +156,10 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
 
     for out in out_shapes:
         check_offsets(out.shape, out.dtype)
+    row_inputs, shared_inputs, manual = _compat.match_varying(row_inputs, shared_inputs)
+    if manual is not None:  # inside shard_map
+        out_shapes = [jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=manual)
+                      for o in out_shapes]
     inputs = list(row_inputs) + list(shared_inputs)
     in_specs = [row_spec(a.shape) for a in row_inputs] + [whole_spec(a.shape) for a in shared_inputs]
     aliases = {}

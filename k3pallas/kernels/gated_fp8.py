@@ -78,8 +78,11 @@ def _codes(y, inv_scale, q: fp8_lib.Fp8Params):
     return fp8_lib.encode_fp8(v, q.dtype)
 
 
-def _gated_kernel(x_ref, g_ref, w_ref, *out_refs, n_rows, rows, heads, width, eps, activation,
-                  quant):
+def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activation, quant, mode):
+    if mode == "given_scale":
+        s_ref, w_ref, *out_refs = refs
+    else:
+        w_ref, *out_refs = refs
     in_rows = common.row_mask(n_rows, rows, 3)
     d_index, d_lanes = common.lane_index(width)
     r = jnp.arange(rows, dtype=jnp.int32)[:, None, None]
@@ -103,21 +106,42 @@ def _gated_kernel(x_ref, g_ref, w_ref, *out_refs, n_rows, rows, heads, width, ep
         for index, mask, y in ys:
             common.store(o_ref, index, y, mask)
         return
-    codes_ref, scale_ref = out_refs
-    scale = _row_scale([y for _, _, y in ys], quant)
-    inv = (1.0 / scale)[:, None, None]
+    _quant_epilogue([(i, m, y) for i, m, y in ys], out_refs, s_ref if mode == "given_scale" else None,
+                    n_rows=n_rows, rows=rows, quant=quant, mode=mode)
+
+
+def _quant_epilogue(ys, out_refs, s_ref, *, n_rows, rows, quant, mode):
+    """Per-row FP8 of the float32 tiles ``ys`` ([(index, mask, y)], together the rows).
+
+    ``mode``: "dynamic" (the scale from the rows; codes and scale out), "scale_only" (only the
+    scale out) or "given_scale" (the scale read from ``s_ref``; only codes out).
+    """
+    r_index = jnp.arange(rows, dtype=jnp.int32)
+    r_mask = common.row_mask(n_rows, rows, 1)
+    if mode == "given_scale":
+        scale = common.load(s_ref, r_index, r_mask, other=1.0)
+    else:
+        scale = _row_scale([y for _, _, y in ys], quant)
+    if mode == "scale_only":
+        (scale_ref,) = out_refs
+        common.store(scale_ref, r_index, scale, r_mask)
+        return
+    codes_ref = out_refs[0]
+    inv = 1.0 / scale
     for index, mask, y in ys:
-        common.store(codes_ref, index, _codes(y, inv, quant), mask)
-    common.store(scale_ref, jnp.arange(rows, dtype=jnp.int32), scale, common.row_mask(n_rows, rows, 1))
+        common.store(codes_ref, index, _codes(y, inv[(slice(None),) + (None,) * (y.ndim - 1)], quant),
+                     mask)
+    if mode == "dynamic":
+        common.store(out_refs[1], r_index, scale, r_mask)
 
 
-def _quant_kernel(x_ref, codes_ref, scale_ref, *, n_rows, rows, width, quant):
+def _quant_kernel(x_ref, *refs, n_rows, rows, width, quant, mode):
+    s_ref, out_refs = (refs[0], refs[1:]) if mode == "given_scale" else (None, refs)
     index, lanes = common.tile_index(rows, (width,))
     mask = common.both(common.row_mask(n_rows, rows, 2), lanes)
     y = common.load(x_ref, index, mask).astype(jnp.float32)
-    scale = _row_scale([y], quant)
-    common.store(codes_ref, index, _codes(y, (1.0 / scale)[:, None], quant), mask)
-    common.store(scale_ref, jnp.arange(rows, dtype=jnp.int32), scale, common.row_mask(n_rows, rows, 1))
+    _quant_epilogue([(index, mask, y)], out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant,
+                    mode=mode)
 
 
 def _codes_struct(shape, quant: fp8_lib.Fp8Params):
@@ -146,43 +170,68 @@ def quant_row_elems(width: int) -> tuple[int, int]:
     return padded, padded
 
 
+MODES = ("dynamic", "scale_only", "given_scale")
+
+
+def _quant_outputs(shape, n_rows, quant, mode):
+    """(output structs, poison values) of an FP8 launch in ``mode``."""
+    codes = (_codes_struct(shape, quant), _codes_poison(quant))
+    scale = (jax.ShapeDtypeStruct((n_rows,), jnp.float32), float("nan"))
+    outs = {"dynamic": [codes, scale], "scale_only": [scale], "given_scale": [codes]}[mode]
+    return [o for o, _ in outs], [p for _, p in outs]
+
+
+def _quant_results(result, quant, mode):
+    """(codes or None, scale or None) from a launch's outputs."""
+    if mode == "scale_only":
+        return None, result[0]
+    codes = _as_fp8(result[0], quant)
+    return codes, (result[1] if mode == "dynamic" else None)
+
+
 def rmsnorm_gated_rows(x, gate, weight, *, eps: float, activation: str,
                        quant: fp8_lib.Fp8Params | None, interpret: bool,
-                       config: platform.LaunchConfig | None = None):
-    """``x``, ``gate`` ``[T, H, D]``. Without ``quant``: y ``[T, H, D]`` in x's dtype. With it:
-    ``(codes [T, H, D] fp8, scale [T] float32)``."""
+                       config: platform.LaunchConfig | None = None, mode: str = "dynamic",
+                       scale=None):
+    """``x``, ``gate`` ``[T, H, D]``. Without ``quant``: y ``[T, H, D]`` in x's dtype. With it,
+    by ``mode``: "dynamic" ``(codes [T, H, D] fp8, scale [T] float32)``; "scale_only"
+    ``(None, scale)``; "given_scale" ``(codes, None)`` quantized with ``scale [T]`` (a scale
+    reduced across devices: see ``k3pallas.sharding``)."""
     n_rows, heads, width = x.shape
     op = "rmsnorm_gated" if quant is None else "rmsnorm_gated_fp8"
     if config is None:
         config = platform.launch_config(op, n_rows, *gated_row_elems(heads, width))
     kernel = functools.partial(_gated_kernel, n_rows=n_rows, rows=config.rows_per_program,
                                heads=heads, width=width, eps=float(eps), activation=activation,
-                               quant=quant)
+                               quant=quant, mode=mode)
     if quant is None:
-        outs = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+        outs, poison = [jax.ShapeDtypeStruct(x.shape, x.dtype)], None
     else:
-        outs = [_codes_struct(x.shape, quant), jax.ShapeDtypeStruct((n_rows,), jnp.float32)]
-    poison = None if quant is None else [_codes_poison(quant), float("nan")]
-    result = common.row_call(kernel, name=f"k3pallas_{op}", n_rows=n_rows, config=config,
-                             row_inputs=[x, gate], shared_inputs=[weight], out_shapes=outs,
+        outs, poison = _quant_outputs(x.shape, n_rows, quant, mode)
+    row_inputs = [x, gate] + ([scale] if quant is not None and mode == "given_scale" else [])
+    name = f"k3pallas_{op}" + ("" if quant is None or mode == "dynamic" else f"_{mode}")
+    result = common.row_call(kernel, name=name, n_rows=n_rows, config=config,
+                             row_inputs=row_inputs, shared_inputs=[weight], out_shapes=outs,
                              interpret=interpret, out_poison=poison)
     if quant is None:
         return result[0]
-    codes, scale = result
-    return _as_fp8(codes, quant), scale
+    return _quant_results(result, quant, mode)
 
 
 def per_token_fp8_rows(x, *, quant: fp8_lib.Fp8Params, interpret: bool,
-                       config: platform.LaunchConfig | None = None):
-    """``x [T, N]`` -> ``(codes [T, N] fp8, scale [T] float32)``."""
+                       config: platform.LaunchConfig | None = None, mode: str = "dynamic",
+                       scale=None):
+    """``x [T, N]`` -> ``(codes [T, N] fp8, scale [T] float32)``; ``mode`` as in
+    ``rmsnorm_gated_rows``."""
     n_rows, width = x.shape
     if config is None:
         config = platform.launch_config("per_token_fp8_quant", n_rows, *quant_row_elems(width))
     kernel = functools.partial(_quant_kernel, n_rows=n_rows, rows=config.rows_per_program,
-                               width=width, quant=quant)
-    codes, scale = common.row_call(
-        kernel, name="k3pallas_per_token_fp8_quant", n_rows=n_rows, config=config,
-        row_inputs=[x], shared_inputs=[],
-        out_shapes=[_codes_struct(x.shape, quant), jax.ShapeDtypeStruct((n_rows,), jnp.float32)],
-        interpret=interpret, out_poison=[_codes_poison(quant), float("nan")])
-    return _as_fp8(codes, quant), scale
+                               width=width, quant=quant, mode=mode)
+    outs, poison = _quant_outputs(x.shape, n_rows, quant, mode)
+    name = "k3pallas_per_token_fp8_quant" + ("" if mode == "dynamic" else f"_{mode}")
+    result = common.row_call(
+        kernel, name=name, n_rows=n_rows, config=config,
+        row_inputs=[x] + ([scale] if mode == "given_scale" else []), shared_inputs=[],
+        out_shapes=outs, interpret=interpret, out_poison=poison)
+    return _quant_results(result, quant, mode)

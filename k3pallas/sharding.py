@@ -1,0 +1,164 @@
+"""How the kernels run on sharded arrays: ``jax.experimental.custom_partitioning`` rules.
+
+A Pallas call inside ``jax.jit`` with sharded operands and no partitioning rule is replicated
+by XLA's SPMD partitioner: every device gathers the whole input and computes all of it. Every
+kernel path of the public API goes through ``partitioned``, which tells XLA (Shardy, and GSPMD
+where a user turned Shardy off) how the op splits, so that each device runs the kernel on its
+own shard and nothing is gathered:
+
+* leading (token) axes may be sharded freely: rows are independent;
+* the head axis of the gated ops may be sharded: heads are independent; the per-token FP8 scale
+  is then either local to a device's heads (``scale_groups`` a multiple of the head shards) or
+  one scale over several devices' heads (``scale_groups=1``): the kernel runs twice, first for
+  the per-row scale only, then an all-reduce max over the head shards, then the codes with
+  that scale (``jax.lax.pmax``; a NaN row stays NaN). See ``rmsnorm_gated_fp8_per_token``;
+* the normalized axis (the last one of a norm, the head dim of the gated ops, the packed
+  columns of ``mla_q_kv_norm``) may not be sharded: the op raises ValueError naming the axis and
+  the mesh axes. A cross-device sum of squares would cost an all-reduce per norm for a layout
+  no serving stack uses; shard the tokens or heads instead.
+
+Inside ``shard_map`` the ops see local arrays and need none of this (the scale then covers the
+heads the device holds). Rules are written like einsum: ``"... h d, d -> ... h d"``; ``...``
+stands for the leading axes, shared by every row operand and result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+__all__ = ["Rule", "partitioned", "max_over"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A sharding rule: ``spec`` like ``"... h d, d, ... h d -> ... h d"``.
+
+    ``fixed``: factors that must not be sharded (normalized axes), with a name for the error.
+    ``reduced``: factors that an output reduces over (the scale's heads); the mesh axes sharding
+    them are passed to the local function as ``reduce_axes``.
+    """
+
+    spec: str
+    fixed: tuple[tuple[str, str], ...] = ()
+    reduced: tuple[str, ...] = ()
+
+    def sides(self):
+        ins, outs = self.spec.split("->")
+        parse = lambda side: [tuple(t.split()) for t in side.split(",")]  # noqa: E731
+        return parse(ins), parse(outs)
+
+
+def _spec_of(sharding, ndim):
+    spec = tuple(getattr(sharding, "spec", ()) or ())
+    return spec + (None,) * (ndim - len(spec))
+
+
+def _plan(op, rule: Rule, mesh, arg_shapes, *, strict: bool):
+    """(arg shardings, result shardings, reduce_axes) for the operands' current shardings."""
+    ins, outs = rule.sides()
+    main = ins[0]
+    n_lead = arg_shapes[0].ndim - (len(main) - 1)
+    lead = _spec_of(arg_shapes[0].sharding, arg_shapes[0].ndim)[:n_lead]
+    factors = {}
+    for shape, tensor in zip(arg_shapes, ins):
+        if tensor[0] != "...":
+            continue  # weights: replicated, their sharding does not decide anything
+        named = _spec_of(shape.sharding, shape.ndim)[shape.ndim - (len(tensor) - 1):]
+        for f, s in zip(tensor[1:], named):
+            if s is not None:
+                factors.setdefault(f, s)
+    for f, what in rule.fixed:
+        if strict and factors.get(f) is not None:
+            raise ValueError(
+                f"{op}: {what} is sharded over mesh axes {factors[f]!r}; that axis is normalized "
+                "(or quantized) whole and cannot be split across devices. Shard the leading "
+                "(token) axes, or the head axis where the op has one, and replicate this one.")
+        factors.pop(f, None)
+
+    def sharding(tensor):
+        dims = list(lead) if tensor and tensor[0] == "..." else []
+        dims += [factors.get(f) for f in tensor if f != "..."]
+        return NamedSharding(mesh, PartitionSpec(*dims))
+
+    reduce_axes = []
+    for f in rule.reduced:
+        s = factors.get(f)
+        if s is not None:
+            reduce_axes += list(s) if isinstance(s, tuple) else [s]
+    results = [sharding(t) for t in outs]
+    return ([sharding(t) for t in ins], results[0] if len(results) == 1 else tuple(results),
+            tuple(reduce_axes))
+
+
+@functools.lru_cache(maxsize=None)
+def _build(op: str, rule: Rule, local, statics: tuple):
+    kwargs = dict(statics)
+
+    @custom_partitioning
+    def fn(*arrays):
+        return local(*arrays, reduce_axes=(), **kwargs)
+
+    def partition(mesh, arg_shapes, result_shape):
+        args, results, reduce_axes = _plan(op, rule, mesh, arg_shapes, strict=True)
+        return mesh, functools.partial(local, reduce_axes=reduce_axes, **kwargs), results, tuple(args)
+
+    def infer(mesh, arg_shapes, result_shape):
+        return _plan(op, rule, mesh, arg_shapes, strict=False)[1]
+
+    fn.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule.spec)
+    return _batched_as_rows(fn, rule)
+
+
+def _batched_as_rows(fn, rule: Rule):
+    """``fn`` with a ``vmap`` rule (custom_partitioning has none): a batch axis of the row
+    operands is one more leading axis, which the ops take as more rows; a batched weight runs
+    ``fn`` once per batch element (``jax.lax.map``)."""
+    row_operand = [tensor[0] == "..." for tensor in rule.sides()[0]]
+
+    @jax.custom_batching.custom_vmap
+    def call(*arrays):
+        return fn(*arrays)
+
+    @call.def_vmap
+    def _vmap_rule(axis_size, in_batched, *arrays):
+        if all(row or not batched for row, batched in zip(row_operand, in_batched)):
+            args = [a if batched or not row else jnp.broadcast_to(a, (axis_size,) + a.shape)
+                    for a, row, batched in zip(arrays, row_operand, in_batched)]
+            out = call(*args)
+        else:
+            mapped = tuple(a for a, b in zip(arrays, in_batched) if b)
+
+            def one(slices):
+                it = iter(slices)
+                return call(*[next(it) if b else a for a, b in zip(arrays, in_batched)])
+
+            out = jax.lax.map(one, mapped)
+        return out, jax.tree_util.tree_map(lambda _: True, out)
+
+    return call
+
+
+def partitioned(op: str, rule: Rule, local, **statics):
+    """``local(*arrays, reduce_axes=..., **statics)`` as a function XLA partitions by ``rule``.
+
+    ``local`` runs on each device's shard (or on the whole arrays without sharding);
+    ``reduce_axes`` are the mesh axes sharding ``rule.reduced`` factors (empty when none are).
+    Built once per (op, rule, local, statics): statics must be hashable.
+    """
+    return _build(op, rule, local, tuple(sorted(statics.items())))
+
+
+def max_over(x, axes):
+    """``jax.lax.pmax`` over mesh ``axes`` that keeps NaN: any device's NaN makes the result NaN
+    (whether an all-reduce max propagates NaN is not specified across backends)."""
+    if not axes:
+        return x
+    nan = jnp.isnan(x)
+    both = jax.lax.pmax(jnp.stack([jnp.where(nan, -jnp.inf, x), nan.astype(x.dtype)]), axes)
+    return jnp.where(both[1] > 0, jnp.nan, both[0])

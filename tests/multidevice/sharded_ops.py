@@ -1,0 +1,201 @@
+"""Every op under ``jax.jit`` with sharded operands and inside ``shard_map``, on 8 virtual CPU
+devices. Run by ``tests/test_sharding.py`` in a subprocess that sets
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before jax is imported (this file's name
+keeps the main test run from collecting it).
+
+Each sharded result must equal the unsharded op's (same implementation, same data), and the
+compiled module must hold no all-gather: no device receives another's activations.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import k3pallas as kp
+from k3pallas.models import kimi_k3
+
+IMPLS = ["interpret", "reference"]
+TP = 4
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    assert len(jax.devices()) == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    return Mesh(np.array(jax.devices()).reshape(8 // TP, TP), ("dp", "tp"))
+
+
+def put(mesh, a, *spec):
+    return jax.device_put(a, NamedSharding(mesh, P(*spec)))
+
+
+def rand(key, shape, dtype=jnp.bfloat16, scale=1.0):
+    return (jax.random.normal(jax.random.PRNGKey(key), shape, jnp.float32) * scale).astype(dtype)
+
+
+def compiled(fn, *args):
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
+def same(a, b, what="", exact=True):
+    """Equal leaves. ``exact=False`` (the jnp reference, which XLA compiles differently for the
+    sharded shapes): floats within 2e-6 relative, fp8 codes equal but for one step on < 0.1 %."""
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.shape == y.shape, (what, x.shape, y.shape)
+        if x.dtype.itemsize == 1:  # fp8: compare the codes
+            diff = x.view(np.uint8) != y.view(np.uint8)
+            if exact or not diff.any():
+                assert not diff.any(), f"{what}: {diff.sum()} codes differ"
+                continue
+            xf, yf = x.astype(np.float64)[diff], y.astype(np.float64)[diff]
+            assert diff.mean() < 1e-3 and np.all(np.abs(xf - yf) <= 0.125 * np.abs(yf)), what
+        elif exact:
+            assert np.array_equal(x, y, equal_nan=True), f"{what}: values differ"
+        else:
+            np.testing.assert_allclose(x, y, rtol=2e-6, err_msg=what)
+
+
+def check(mesh, fn, args, specs, *, expect_all_reduce=None, what="", exact=True):
+    """fn on sharded args == fn on the whole args; no all-gather in the compiled module."""
+    sharded = [put(mesh, a, *s) for a, s in zip(args, specs)]
+    out = jax.jit(fn)(*sharded)
+    same(out, jax.jit(fn)(*args), what, exact)
+    text = compiled(fn, *sharded)
+    assert "all-gather" not in text, f"{what}: the compiled module gathers"
+    if expect_all_reduce is not None:
+        assert ("all-reduce" in text) == expect_all_reduce, f"{what}: all-reduce {not expect_all_reduce}"
+    return out
+
+
+TOKENS = (("dp", "tp"),)  # the token axis over all 8 devices
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_norms_token_sharded(mesh, impl):
+    q, kv = rand(0, (64, 96), scale=3), rand(1, (64, 32))
+    wq, wkv = rand(2, (96,), jnp.float32), rand(3, (32,))
+    check(mesh, lambda a, w: kp.rmsnorm(a, w, impl=impl), (q, wq), [TOKENS, ()],
+          expect_all_reduce=False, what="rmsnorm")
+    out = check(mesh, lambda *a: kp.fused_q_kv_rmsnorm(*a, impl=impl), (q, kv, wq, wkv),
+                [TOKENS, TOKENS, (), ()], expect_all_reduce=False, what="fused_q_kv_rmsnorm")
+    assert out[0].sharding.spec[0] == ("dp", "tp")
+    # leading dims [B, S]: batch over dp, sequence over tp
+    q3 = q.reshape(8, 8, 96)
+    check(mesh, lambda a, w: kp.rmsnorm(a, w, impl=impl), (q3, wq), [("dp", "tp"), ()],
+          expect_all_reduce=False, what="rmsnorm [B, S, D]")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("rope", [7, 0])
+def test_mla_token_sharded(mesh, impl, rope):
+    a = rand(4, (64, 96 + 32 + rope), scale=2)
+    wq, wkv = rand(5, (96,)), rand(6, (32,))
+    fn = lambda a, wq, wkv: kp.mla_q_kv_norm(a, wq, wkv, q_size=96, kv_size=32, impl=impl)  # noqa: E731
+    check(mesh, fn, (a, wq, wkv), [TOKENS, (), ()], expect_all_reduce=False, what="mla_q_kv_norm")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gated_token_and_head_sharded(mesh, impl):
+    x, g, w = rand(7, (32, 8, 32), scale=2), rand(8, (32, 8, 32)), rand(9, (32,), jnp.float32)
+    fn = lambda x, w, g: kp.rmsnorm_gated(x, w, g, impl=impl)  # noqa: E731
+    check(mesh, fn, (x, w, g), [TOKENS, (), TOKENS], expect_all_reduce=False, what="tokens")
+    out = check(mesh, fn, (x, w, g), [("dp", "tp"), (), ("dp", "tp")], expect_all_reduce=False,
+                what="heads over tp")
+    assert out.sharding.spec[:2] == ("dp", "tp")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("groups", [1, TP, 2 * TP])
+def test_gated_fp8_head_sharded(mesh, impl, groups):
+    """Heads over tp. scale_groups a multiple of tp: every scale is local (no communication);
+    scale_groups=1: one scale per token over all heads, through an all-reduce max (kernel
+    path; the reference's own reduction is XLA's). Equal to the unsharded op either way."""
+    x, g, w = rand(10, (32, 16, 32), scale=2), rand(11, (32, 16, 32)), rand(12, (32,), jnp.float32)
+    x = x.at[3, 5, 7].set(jnp.nan)  # a NaN token: its scale must be NaN on every device
+    fn = lambda x, w, g: kp.rmsnorm_gated_fp8_per_token(x, w, g, scale_groups=groups, impl=impl)  # noqa: E731
+    exact = impl != "reference"
+    qa = check(mesh, fn, (x, w, g), [("dp", "tp"), (), ("dp", "tp")],
+               expect_all_reduce=(groups == 1) if exact else None,
+               what=f"fp8, {groups} scale groups", exact=exact)
+    assert qa.scale.shape == (32, groups)
+    nan_group = 5 // (16 // groups)
+    scale = np.asarray(qa.scale)
+    assert np.isnan(scale[3, nan_group]) and np.isnan(scale).sum() == 1
+    check(mesh, fn, (x, w, g), [TOKENS, (), TOKENS], expect_all_reduce=False, what="fp8, tokens",
+          exact=exact)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("groups", [1, TP])
+def test_per_token_fp8_sharded(mesh, impl, groups):
+    x = rand(13, (32, 256), scale=3)
+    fn = lambda x: kp.per_token_fp8_quant(x, scale_groups=groups, impl=impl)  # noqa: E731
+    exact = impl != "reference"
+    check(mesh, fn, (x,), [TOKENS], expect_all_reduce=False, what="tokens", exact=exact)
+    check(mesh, fn, (x,), [("dp", "tp")], expect_all_reduce=(groups == 1) if exact else None,
+          what="columns over tp", exact=exact)
+
+
+@pytest.mark.parametrize("case", ["rmsnorm", "fused", "mla", "gated", "gated_fp8"])
+def test_sharded_normalized_axis_is_refused(mesh, case):
+    """Sharding the normalized axis is not supported: a clear error, never a silent gather."""
+    x, w = rand(14, (16, 8, 64)), rand(15, (64,))
+    fns = {
+        "rmsnorm": (lambda a, w: kp.rmsnorm(a, w, impl="interpret"), "normalized"),
+        "fused": (lambda a, w: kp.fused_q_kv_rmsnorm(a, a, w, w, impl="interpret"), "last axis of q_c"),
+        "mla": (lambda a, w: kp.mla_q_kv_norm(a, w[:32], w[:16], q_size=32, kv_size=16,
+                                              impl="interpret"), "packed"),
+        "gated": (lambda a, w: kp.rmsnorm_gated(a, w, a, impl="interpret"), "head dim"),
+        "gated_fp8": (lambda a, w: kp.rmsnorm_gated_fp8_per_token(a, w, a, impl="interpret"), "head dim"),
+    }
+    fn, match = fns[case]
+    with pytest.raises(Exception, match=match):
+        jax.jit(fn)(put(mesh, x, "dp", None, "tp"), w)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_inside_shard_map(mesh, impl):
+    """Inside shard_map the ops run on local arrays; the FP8 scale covers the device's heads,
+    i.e. equals the unsharded op with scale_groups = the number of head shards. Interpret mode
+    needs check_vma=False there (its emulation trips jax's varying-axes check); the reference,
+    and the compiled kernels (GPU tests), run with the default check."""
+    x, g, w = rand(16, (32, 16, 32)), rand(17, (32, 16, 32)), rand(18, (32,), jnp.float32)
+    spec = P("dp", "tp")
+    smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=impl == "reference")
+    body = lambda x, w, g: kp.rmsnorm_gated_fp8_per_token(x, w, g, impl=impl)  # noqa: E731
+    qa = jax.jit(smap(body, in_specs=(spec, P(), spec), out_specs=P("dp", "tp")))(x, w, g)
+    want = kp.rmsnorm_gated_fp8_per_token(x, w, g, scale_groups=TP, impl=impl)
+    same(qa, want, "shard_map fp8", exact=impl != "reference")
+    q, wq = rand(19, (64, 96)), rand(20, (96,))
+    y = jax.jit(smap(lambda a, w: kp.rmsnorm(a, w, impl=impl), in_specs=(P(("dp", "tp")), P()),
+                     out_specs=P(("dp", "tp"))))(q, wq)
+    same(y, kp.rmsnorm(q, wq, impl=impl), "shard_map rmsnorm", exact=impl != "reference")
+
+
+def test_kda_output_tensor_parallel(mesh):
+    """The KDA output path at tensor parallelism: heads and the o_proj's input dim over tp, one
+    scale group per rank; the o_proj ends in one all-reduce (the row-parallel sum), and nothing
+    is gathered. Equal to the unsharded path up to float32 summation order."""
+    cfg = kimi_k3.Config(hidden=256, kda_heads=8, kda_head_dim=32)
+    params = kimi_k3.init_kda_out(jax.random.PRNGKey(21), cfg)
+    o, g = rand(22, (16, 8, 32)), rand(23, (16, 8, 32))
+
+    def path(p, o, g):
+        qa = kp.rmsnorm_gated_fp8_per_token(o, p["norm"], g, cfg.kda_eps, scale_groups=TP,
+                                            fp8_dtype=p["w_o_fp8"].dtype, impl="interpret")
+        return kp.fp8_linear(qa, p["w_o_fp8"], p["w_o_scale"], w_layout="nk", out_dtype=jnp.float32)
+
+    specs = {"norm": P(), "w_o": P("tp", None), "w_o_fp8": P(None, "tp"), "w_o_scale": P()}
+    ps = {k: put(mesh, v, *specs[k]) for k, v in params.items()}
+    os_, gs = put(mesh, o, "dp", "tp"), put(mesh, g, "dp", "tp")
+    out = jax.jit(path)(ps, os_, gs)
+    ref = jax.jit(path)(params, o, g)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    text = compiled(path, ps, os_, gs)
+    assert "all-gather" not in text and "all-reduce" in text
