@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: GPU tests, a trace sample, the benchmark and the launch-config sweep,
 # all written under $OUT (the device tool brings that folder back). Usage, on the GPU machine:
-#   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace]
+#   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT}
@@ -16,6 +16,9 @@ for step in $steps; do
     trace) timeout 60 python3 -m bench.trace_dump "$OUT/trace_sample.json" 2>&1 | tail -8 ;;
     bench) timeout ${BENCH_TIMEOUT:-300} python3 -m bench --out "$OUT" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" | grep -v '^\[' | tail -60 ;;
     tune) timeout ${TUNE_TIMEOUT:-240} python3 -m bench.tune --out "$OUT" $TUNE_ARGS 2>"$OUT/tune.log" | tail -40 ;;
+    hlo) timeout 180 python3 -m bench.hlo_report --out "$OUT" 2>"$OUT/hlo_report.log" | tail -12 ;;
+    model) timeout 180 python3 -m k3pallas.models.kimi_k3 --tokens ${MODEL_TOKENS:-4096} --impl pallas 2>&1 | grep -v Warning | tee "$OUT/model_block.log" ;;
+    sharded) timeout ${SHARDED_TIMEOUT:-300} python3 -m bench.sharded --out "$OUT" 2>"$OUT/sharded.log" | tail -30 ;;
   esac
   echo "== $step took $(( $(date +%s) - start )) s"
 done

@@ -26,6 +26,7 @@ class DeviceEvent:
     name: str
     start_ns: float
     duration_ns: float
+    plane: str = "/device:GPU:0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +61,7 @@ def device_events(planes) -> list[DeviceEvent]:
         for line in streams:
             for ev in line.events:
                 events.append(DeviceEvent(line.name, ev.name, float(ev.start_ns),
-                                          float(ev.duration_ns)))
+                                          float(ev.duration_ns), plane.name))
     events.sort(key=lambda e: e.start_ns)
     return events
 
@@ -100,6 +101,37 @@ def time_device(fn: Callable, input_sets: Sequence[tuple], n_calls: int = 30,
     times, k = per_call_times(events, n_calls)
     return Timing(statistics.median(times) / 1e3, min(times) / 1e3, k, n_calls,
                   tuple(e.name for e in events[:k]), "device")
+
+
+def time_device_multi(fn: Callable, input_sets: Sequence[tuple], n_calls: int = 20,
+                      warmup: int = 3) -> dict:
+    """Device time per call on each GPU of a multi-GPU (sharded) call.
+
+    Returns ``{"median_us": median over calls of the slowest GPU's summed kernel time,
+    "per_gpu_us": {plane: median}, "kernels_per_call": {plane: k}}``.
+    """
+    for i in range(max(warmup, len(input_sets))):
+        _block(fn(*input_sets[i % len(input_sets)]))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for i in range(n_calls):
+                out = fn(*input_sets[i % len(input_sets)])
+            _block(out)
+        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            raise RuntimeError("jax.profiler.trace wrote no .xplane.pb file")
+        events = device_events(jax.profiler.ProfileData.from_file(paths[0]).planes)
+    by_plane = {}
+    for e in events:
+        by_plane.setdefault(e.plane, []).append(e)
+    per_gpu, kernels, calls = {}, {}, []
+    for plane, evs in sorted(by_plane.items()):
+        times, k = per_call_times(evs, n_calls)
+        per_gpu[plane], kernels[plane] = statistics.median(times) / 1e3, k
+        calls.append(times)
+    slowest = [max(c[i] for c in calls) for i in range(n_calls)]
+    return {"median_us": statistics.median(slowest) / 1e3, "per_gpu_us": per_gpu,
+            "kernels_per_call": kernels}
 
 
 def time_wall(fn: Callable, input_sets: Sequence[tuple], n_calls: int = 10,

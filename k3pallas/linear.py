@@ -11,12 +11,10 @@ in one XLA elementwise fusion.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from k3pallas import fp8 as fp8_lib
-from k3pallas.fp8 import QuantizedActivation
 
 __all__ = ["quantize_weight_per_channel", "fp8_linear"]
 

@@ -3,6 +3,8 @@ the CPU) against float64 NumPy oracles, the jnp reference and the unfused sequen
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -215,3 +217,36 @@ def test_quantized_activation_container(rng, cpu_impl):
     # Half a code step of e4m3fn is at most 1/16 relative; amax maps to 448 exactly.
     assert np.all(np.abs(f64(deq) - f64(x)) <= np.abs(f64(x)) / 16 + f64(scale) * 2**-10)
     assert qa.dequantize(jnp.bfloat16).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("quant_op", ["gated", "per_token"])
+def test_scale_only_and_given_scale_modes(rng, quant_op):
+    """The two launches of the cross-device scale (k3pallas.sharding): "scale_only" gives the
+    dynamic launch's scale, and "given_scale" with that scale gives its codes, bit for bit; with a
+    larger scale (another device's), the codes are those of that scale."""
+    from k3pallas import fp8 as fp8_lib
+    from k3pallas.kernels import gated_fp8 as kernels
+
+    q = fp8_lib.resolve_fp8_params("float8_e4m3fn")
+    x = jnp.asarray(rng.standard_normal((37, 12, 64)) * 2, jnp.bfloat16)
+    x = x.at[5, 3, 7].set(jnp.nan)
+    if quant_op == "gated":
+        g = jnp.asarray(rng.standard_normal((37, 12, 64)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal(64), jnp.float32)
+        rows = functools.partial(kernels.rmsnorm_gated_rows, x, g, w, eps=1e-5,
+                                 activation="sigmoid", quant=q, interpret=True)
+    else:
+        rows = functools.partial(kernels.per_token_fp8_rows, x.reshape(37, -1), quant=q,
+                                 interpret=True)
+    with common.poisoned_outputs():
+        codes, scale = rows()
+        none, scale_only = rows(mode="scale_only")
+        codes_given, none2 = rows(mode="given_scale", scale=scale)
+        codes_big, _ = rows(mode="given_scale", scale=scale * 2)
+    assert none is None and none2 is None
+    assert np.array_equal(np.asarray(scale), np.asarray(scale_only), equal_nan=True)
+    assert np.isnan(np.asarray(scale)[5]) and np.isnan(np.asarray(codes, np.float32)[5]).all()
+    assert np.array_equal(np.asarray(codes).view(np.uint8), np.asarray(codes_given).view(np.uint8))
+    c1 = np.asarray(codes, np.float64)[np.arange(37) != 5]
+    c2 = np.asarray(codes_big, np.float64)[np.arange(37) != 5]
+    assert np.abs(c2).max() <= 224.5 and np.abs(c1).max() == 448  # half the range used

@@ -86,3 +86,54 @@ def test_model_blocks_on_gpu():
     assert r["mla_front"]["q"] < 1e-2 and r["mla_front"]["kv_c"] < 1e-2
     for key in ("kda_out_12x128", "kda_out_96x128"):
         assert r[key]["fp8_vs_bf16"] < 0.06
+
+
+def test_compiled_kernels_inside_shard_map_and_with_shardings(rng):
+    """On the GPUs there are (a one-device mesh here): the compiled kernels inside shard_map
+    with its default varying-axes check, and under jit with NamedSharding operands (the
+    custom_partitioning path), equal the plain call."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices).reshape(len(devices), 1), ("dp", "tp"))
+    x = jnp.asarray(rng.standard_normal((64 * len(devices), 12, 128)), jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal(x.shape), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(128), jnp.float32)
+    fn = lambda x, w, g: kp.rmsnorm_gated_fp8_per_token(x, w, g, impl="pallas")  # noqa: E731
+    direct = jax.jit(fn)(x, w, g)
+    smapped = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("dp", "tp"), P(), P("dp", "tp")),
+                                    out_specs=P("dp", "tp")))(x, w, g)
+    xs = jax.device_put(x, NamedSharding(mesh, P("dp", "tp")))
+    gs = jax.device_put(g, NamedSharding(mesh, P("dp", "tp")))
+    sharded = jax.jit(fn)(xs, w, gs)
+    for other in (smapped, sharded):
+        assert np.array_equal(np.asarray(other.scale), np.asarray(direct.scale), equal_nan=True)
+        assert np.array_equal(np.asarray(other.data).view(np.uint8), np.asarray(direct.data).view(np.uint8))
+    q = jnp.asarray(rng.standard_normal((256, 2112)), jnp.bfloat16)
+    ones = jnp.ones((1536,), jnp.bfloat16), jnp.ones((512,), jnp.bfloat16)
+    mla = jax.jit(jax.shard_map(lambda a, wq, wkv: kp.mla_q_kv_norm(a, wq, wkv, impl="pallas"),
+                                mesh=mesh, in_specs=(P("dp"), P(), P()), out_specs=P("dp")))
+    for o, r in zip(mla(q, *ones), kp.mla_q_kv_norm(q, *ones, impl="pallas")):
+        assert np.array_equal(np.asarray(o), np.asarray(r))
+
+
+def test_cross_device_scale_modes_compiled(rng):
+    """The scale-only and given-scale launches, compiled: bit-identical to the dynamic one."""
+    from k3pallas import fp8 as fp8_lib
+    from k3pallas.kernels import gated_fp8 as kernels
+
+    q = fp8_lib.resolve_fp8_params()
+    x = jnp.asarray(rng.standard_normal((4096, 96, 128)), jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal(x.shape), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(128), jnp.float32)
+
+    def run(mode, scale=None):
+        return jax.jit(lambda x, g, w, s: kernels.rmsnorm_gated_rows(
+            x, g, w, eps=1e-5, activation="sigmoid", quant=q, interpret=False, mode=mode,
+            scale=s))(x, g, w, scale)
+
+    codes, scale = run("dynamic")
+    _, scale_only = run("scale_only")
+    codes_given, _ = run("given_scale", scale)
+    assert np.array_equal(np.asarray(scale), np.asarray(scale_only))
+    assert np.array_equal(np.asarray(codes).view(np.uint8), np.asarray(codes_given).view(np.uint8))

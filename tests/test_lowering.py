@@ -98,3 +98,31 @@ def test_fp8_output_offset_window_is_refused():
     x = sds((2**19, 4096))
     with pytest.raises(ValueError, match="32-bit signed offsets"):
         lowered_text(lambda a: kp.per_token_fp8_quant(a, impl="pallas"), (x,), TARGETS[0])
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t[0])
+@pytest.mark.parametrize("mode", ["scale_only", "given_scale"])
+def test_cross_device_scale_modes_lower(target, mode):
+    """The two launches behind a cross-device FP8 scale (k3pallas.sharding) lower for every
+    target, in the target's default fp8 format (e4m3fnuz on gfx942)."""
+    from k3pallas import fp8 as fp8_lib
+    from k3pallas.kernels import gated_fp8 as kernels
+
+    def gated(x, w, g, s):
+        q = fp8_lib.resolve_fp8_params()
+        out = kernels.rmsnorm_gated_rows(x, g, w, eps=1e-5, activation="sigmoid", quant=q,
+                                         interpret=False, mode=mode,
+                                         scale=s if mode == "given_scale" else None)
+        return [o for o in out if o is not None]
+
+    def quant(x, s):
+        q = fp8_lib.resolve_fp8_params()
+        out = kernels.per_token_fp8_rows(x, quant=q, interpret=False, mode=mode,
+                                         scale=s if mode == "given_scale" else None)
+        return [o for o in out if o is not None]
+
+    args = (sds((64, 12, 128)), sds((128,), jnp.float32), sds((64, 12, 128)), sds((64,), jnp.float32))
+    text = lowered_text(gated, args, target)
+    assert text.count(TRITON_CALL) == 1 and f"k3pallas_rmsnorm_gated_fp8_{mode}" in text
+    text = lowered_text(quant, (sds((64, 1536)), sds((64,), jnp.float32)), target)
+    assert text.count(TRITON_CALL) == 1 and f"k3pallas_per_token_fp8_quant_{mode}" in text
