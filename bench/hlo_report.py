@@ -1,9 +1,10 @@
 """``python -m bench.hlo_report --out DIR``: what XLA compiles the integration paths into.
 
 For each path (the MLA front-end norm on the packed projection and after slicing; the FP8 o_proj
-with its weight stored [K, N] and [N, K]; the bf16 o_proj) it writes the optimized HLO text
-(``hlo_<name>.txt``), the launched ENTRY instructions, the custom-call targets and, on a GPU, the
-device time per call, to ``hlo_report.md`` / ``.json``.
+with its weight stored [K, N] and [N, K], with the default and the highest precision; the bf16
+o_proj) it writes the launched ENTRY instructions, the custom-call targets, on a GPU the device
+time per call, and for the FP8 GEMMs the accumulation error, to ``hlo_report.md`` / ``.json``
+(with ``--hlo-text`` also each optimized module, ``hlo_<name>.txt``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--k", type=int, default=96 * 128, help="o_proj input width (KDA 96 x 128)")
     p.add_argument("--n", type=int, default=7168, help="o_proj output width (hidden size)")
+    p.add_argument("--hlo-text", action="store_true", help="also write each module's HLO text")
     args = p.parse_args(argv)
     on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
     impl = "pallas" if on_gpu else "interpret"
@@ -84,8 +86,9 @@ def main(argv=None):
     rows = []
     for name, (fn, fargs) in paths(args.tokens, args.k, args.n, impl).items():
         text = hlo.compiled_text(fn, *fargs)
-        with open(os.path.join(args.out, f"hlo_{name}.txt"), "w") as f:
-            f.write(text)
+        if args.hlo_text:
+            with open(os.path.join(args.out, f"hlo_{name}.txt"), "w") as f:
+                f.write(text)
         row = {"path": name, "launched": dict(hlo.data_moving_ops(text)),
                "custom_calls": sorted(set(hlo.custom_call_targets(text))),
                "fp8_gemm": hlo.FP8_GEMM_TARGET in text}
