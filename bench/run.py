@@ -221,8 +221,11 @@ def main(argv=None) -> int:
         cfgs = args.configs.split(",") if args.configs else list(shapes.OP_CONFIGS[op])
         if args.quick and not args.configs:
             cfgs = cfgs[:1]
+        op_tokens = tokens
+        if not args.tokens and not args.quick and gpu and op in shapes.OP_TOKENS:
+            op_tokens = list(shapes.OP_TOKENS[op])
         for cfg in cfgs:
-            for t in tokens:
+            for t in op_tokens:
                 jobs.append((op, cfg, t))
     records = []
     t_start = time.time()
