@@ -83,9 +83,9 @@ def _block(out):
     jax.block_until_ready(out)
 
 
-def time_device(fn: Callable, input_sets: Sequence[tuple], n_calls: int = 30,
-                warmup: int = 3) -> Timing:
-    """Device time of ``fn(*inputs)``, cycling through ``input_sets`` (cache rotation)."""
+def _traced_events(fn: Callable, input_sets: Sequence[tuple], n_calls: int,
+                   warmup: int) -> list[DeviceEvent]:
+    """Warm up, then run ``fn`` ``n_calls`` times inside a profiler trace; its device events."""
     for i in range(max(warmup, len(input_sets))):
         _block(fn(*input_sets[i % len(input_sets)]))
     with tempfile.TemporaryDirectory() as d:
@@ -96,8 +96,13 @@ def time_device(fn: Callable, input_sets: Sequence[tuple], n_calls: int = 30,
         paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         if not paths:
             raise RuntimeError("jax.profiler.trace wrote no .xplane.pb file")
-        data = jax.profiler.ProfileData.from_file(paths[0])
-        events = device_events(data.planes)
+        return device_events(jax.profiler.ProfileData.from_file(paths[0]).planes)
+
+
+def time_device(fn: Callable, input_sets: Sequence[tuple], n_calls: int = 30,
+                warmup: int = 3) -> Timing:
+    """Device time of ``fn(*inputs)``, cycling through ``input_sets`` (cache rotation)."""
+    events = _traced_events(fn, input_sets, n_calls, warmup)
     times, k = per_call_times(events, n_calls)
     return Timing(statistics.median(times) / 1e3, min(times) / 1e3, k, n_calls,
                   tuple(e.name for e in events[:k]), "device")
@@ -110,17 +115,7 @@ def time_device_multi(fn: Callable, input_sets: Sequence[tuple], n_calls: int = 
     Returns ``{"median_us": median over calls of the slowest GPU's summed kernel time,
     "per_gpu_us": {plane: median}, "kernels_per_call": {plane: k}}``.
     """
-    for i in range(max(warmup, len(input_sets))):
-        _block(fn(*input_sets[i % len(input_sets)]))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for i in range(n_calls):
-                out = fn(*input_sets[i % len(input_sets)])
-            _block(out)
-        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        if not paths:
-            raise RuntimeError("jax.profiler.trace wrote no .xplane.pb file")
-        events = device_events(jax.profiler.ProfileData.from_file(paths[0]).planes)
+    events = _traced_events(fn, input_sets, n_calls, warmup)
     by_plane = {}
     for e in events:
         by_plane.setdefault(e.plane, []).append(e)

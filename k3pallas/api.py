@@ -7,6 +7,8 @@ No kernel code lives here. Every function:
 * accepts any leading shape (flattened to rows) and returns empty outputs for zero rows without
   launching anything;
 * is inference-only: taking a gradient raises ``TypeError`` saying so;
+* runs sharded: its kernel path goes through ``k3pallas.sharding.partitioned`` with the op's
+  rule (below), so XLA splits it over devices instead of gathering the inputs;
 * chooses an implementation with ``impl``: ``"auto"`` (the Pallas kernel when the target is a GPU,
   cuda or rocm, else the jnp reference), ``"pallas"`` (the compiled kernel; RuntimeError on a
   backend without one, never a silent fallback), ``"interpret"`` (the same kernel in Pallas
@@ -174,28 +176,18 @@ def _gated_fp8_local(x, w, g, *, eps, activation, quant, interpret, reduce_axes)
     """x, g ``[..., G, j, D]`` -> (codes of that shape, scale ``[..., G]``). With the heads of a
     group split over devices (``reduce_axes``): the scale of each device's heads, their maximum
     across the devices, then the codes with it."""
-    rows = functools.partial(gated_kernels.rmsnorm_gated_rows, _rows(x, 2), _rows(g, 2), w,
-                             eps=eps, activation=activation, quant=quant, interpret=interpret)
-    if reduce_axes:
-        _, scale = rows(mode="scale_only")
-        scale = sharding.max_over(scale, reduce_axes)
-        codes, _ = rows(mode="given_scale", scale=scale)
-    else:
-        codes, scale = rows()
+    launch = functools.partial(gated_kernels.rmsnorm_gated_rows, _rows(x, 2), _rows(g, 2), w,
+                               eps=eps, activation=activation, quant=quant, interpret=interpret)
+    codes, scale = sharding.fp8_over_shards(launch, reduce_axes)
     return codes.reshape(x.shape), scale.reshape(x.shape[:-2])
 
 
 def _quant_local(x, *, quant, interpret, reduce_axes):
     """x ``[..., G, j]`` -> (codes of that shape, scale ``[..., G]``); ``reduce_axes`` as in
     ``_gated_fp8_local``."""
-    rows = functools.partial(gated_kernels.per_token_fp8_rows, _rows(x, 1), quant=quant,
-                             interpret=interpret)
-    if reduce_axes:
-        _, scale = rows(mode="scale_only")
-        scale = sharding.max_over(scale, reduce_axes)
-        codes, _ = rows(mode="given_scale", scale=scale)
-    else:
-        codes, scale = rows()
+    launch = functools.partial(gated_kernels.per_token_fp8_rows, _rows(x, 1), quant=quant,
+                               interpret=interpret)
+    codes, scale = sharding.fp8_over_shards(launch, reduce_axes)
     return codes.reshape(x.shape), scale.reshape(x.shape[:-1])
 
 

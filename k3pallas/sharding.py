@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["Rule", "partitioned", "max_over"]
+__all__ = ["Rule", "partitioned", "max_over", "fp8_over_shards"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,3 +162,19 @@ def max_over(x, axes):
     nan = jnp.isnan(x)
     both = jax.lax.pmax(jnp.stack([jnp.where(nan, -jnp.inf, x), nan.astype(x.dtype)]), axes)
     return jnp.where(both[1] > 0, jnp.nan, both[0])
+
+
+def fp8_over_shards(launch, reduce_axes):
+    """Per-token FP8 codes and scale of rows whose columns may be split over mesh ``reduce_axes``.
+
+    ``launch(mode=..., scale=...)`` runs a kernel's FP8 launch (``kernels.gated_fp8``). Without
+    reduce axes: one "dynamic" launch. With them: a "scale_only" launch (this device's columns),
+    the maximum over the devices (``max_over``; the scale is monotone in the amax, so this is the
+    scale of the whole row), then a "given_scale" launch for the codes.
+    """
+    if not reduce_axes:
+        return launch()
+    _, scale = launch(mode="scale_only")
+    scale = max_over(scale, reduce_axes)
+    codes, _ = launch(mode="given_scale", scale=scale)
+    return codes, scale
