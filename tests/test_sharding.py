@@ -7,11 +7,16 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_sharded_ops_on_8_virtual_devices():
+@pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
+def test_sharded_ops_on_8_virtual_devices(partitioner):
+    """Under Shardy (jax's default) and under GSPMD (``jax_use_shardy_partitioner=False``)."""
     env = dict(os.environ)
+    env["JAX_USE_SHARDY_PARTITIONER"] = "true" if partitioner == "shardy" else "false"
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.path.join(ROOT, "tests"),
