@@ -6,6 +6,10 @@ import math
 import numbers
 
 import jax
+import jax.numpy as jnp
+
+# The floating dtypes activations and weights may have (math is float32 inside).
+FLOAT_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 def static_positive_float(name: str, value) -> float:

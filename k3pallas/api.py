@@ -27,7 +27,7 @@ from k3pallas import fp8 as fp8_lib
 from k3pallas import platform
 from k3pallas import reference
 from k3pallas import sharding
-from k3pallas._checks import static_positive_float
+from k3pallas._checks import FLOAT_DTYPES, static_positive_float
 from k3pallas.fp8 import QuantizedActivation
 from k3pallas.sharding import Rule
 from k3pallas.kernels import gated_fp8 as gated_kernels
@@ -38,7 +38,7 @@ __all__ = ["rmsnorm", "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm_gated", "r
 
 IMPLS = ("auto", "pallas", "interpret", "reference")
 ACTIVATIONS = ("sigmoid", "silu")
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+SUPPORTED_DTYPES = FLOAT_DTYPES
 
 
 # ------------------------------------------------------------------------------------------------

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from k3pallas import fp8 as fp8_lib
+from k3pallas._checks import FLOAT_DTYPES as _FLOATS
 
 __all__ = ["quantize_weight_per_channel", "fp8_linear"]
 
-_FLOATS = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 W_LAYOUTS = ("kn", "nk")

@@ -250,3 +250,9 @@ def test_scale_only_and_given_scale_modes(rng, quant_op):
     c1 = np.asarray(codes, np.float64)[np.arange(37) != 5]
     c2 = np.asarray(codes_big, np.float64)[np.arange(37) != 5]
     assert np.abs(c2).max() <= 224.5 and np.abs(c1).max() == 448  # half the range used
+    with pytest.raises(ValueError, match="mode must be one of"):
+        rows(mode="static")
+    with pytest.raises(ValueError, match="exactly in mode 'given_scale'"):
+        rows(mode="given_scale")
+    with pytest.raises(ValueError, match="exactly in mode 'given_scale'"):
+        rows(scale=scale)

@@ -79,10 +79,7 @@ def _codes(y, inv_scale, q: fp8_lib.Fp8Params):
 
 
 def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activation, quant, mode):
-    if mode == "given_scale":
-        s_ref, w_ref, *out_refs = refs
-    else:
-        w_ref, *out_refs = refs
+    s_ref, w_ref, *out_refs = refs if mode == "given_scale" else (None, *refs)
     in_rows = common.row_mask(n_rows, rows, 3)
     d_index, d_lanes = common.lane_index(width)
     r = jnp.arange(rows, dtype=jnp.int32)[:, None, None]
@@ -106,8 +103,7 @@ def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activati
         for index, mask, y in ys:
             common.store(o_ref, index, y, mask)
         return
-    _quant_epilogue([(i, m, y) for i, m, y in ys], out_refs, s_ref if mode == "given_scale" else None,
-                    n_rows=n_rows, rows=rows, quant=quant, mode=mode)
+    _quant_epilogue(ys, out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant, mode=mode)
 
 
 def _quant_epilogue(ys, out_refs, s_ref, *, n_rows, rows, quant, mode):
@@ -136,7 +132,7 @@ def _quant_epilogue(ys, out_refs, s_ref, *, n_rows, rows, quant, mode):
 
 
 def _quant_kernel(x_ref, *refs, n_rows, rows, width, quant, mode):
-    s_ref, out_refs = (refs[0], refs[1:]) if mode == "given_scale" else (None, refs)
+    s_ref, *out_refs = refs if mode == "given_scale" else (None, *refs)
     index, lanes = common.tile_index(rows, (width,))
     mask = common.both(common.row_mask(n_rows, rows, 2), lanes)
     y = common.load(x_ref, index, mask).astype(jnp.float32)
@@ -173,8 +169,12 @@ def quant_row_elems(width: int) -> tuple[int, int]:
 MODES = ("dynamic", "scale_only", "given_scale")
 
 
-def _quant_outputs(shape, n_rows, quant, mode):
-    """(output structs, poison values) of an FP8 launch in ``mode``."""
+def _quant_outputs(shape, n_rows, quant, mode, scale):
+    """(output structs, poison values) of an FP8 launch in ``mode``; checks mode and scale."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if (scale is None) != (mode != "given_scale"):
+        raise ValueError(f"a scale is passed exactly in mode 'given_scale' (mode {mode!r})")
     codes = (_codes_struct(shape, quant), _codes_poison(quant))
     scale = (jax.ShapeDtypeStruct((n_rows,), jnp.float32), float("nan"))
     outs = {"dynamic": [codes, scale], "scale_only": [scale], "given_scale": [codes]}[mode]
@@ -207,7 +207,7 @@ def rmsnorm_gated_rows(x, gate, weight, *, eps: float, activation: str,
     if quant is None:
         outs, poison = [jax.ShapeDtypeStruct(x.shape, x.dtype)], None
     else:
-        outs, poison = _quant_outputs(x.shape, n_rows, quant, mode)
+        outs, poison = _quant_outputs(x.shape, n_rows, quant, mode, scale)
     row_inputs = [x, gate] + ([scale] if quant is not None and mode == "given_scale" else [])
     name = f"k3pallas_{op}" + ("" if quant is None or mode == "dynamic" else f"_{mode}")
     result = common.row_call(kernel, name=name, n_rows=n_rows, config=config,
@@ -228,7 +228,7 @@ def per_token_fp8_rows(x, *, quant: fp8_lib.Fp8Params, interpret: bool,
         config = platform.launch_config("per_token_fp8_quant", n_rows, *quant_row_elems(width))
     kernel = functools.partial(_quant_kernel, n_rows=n_rows, rows=config.rows_per_program,
                                width=width, quant=quant, mode=mode)
-    outs, poison = _quant_outputs(x.shape, n_rows, quant, mode)
+    outs, poison = _quant_outputs(x.shape, n_rows, quant, mode, scale)
     name = "k3pallas_per_token_fp8_quant" + ("" if mode == "dynamic" else f"_{mode}")
     result = common.row_call(
         kernel, name=name, n_rows=n_rows, config=config,
