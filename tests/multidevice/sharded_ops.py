@@ -20,6 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import k3pallas as kp
 from k3pallas.models import kimi_k3
 
+from bench.hlo import compiled_text
+
 IMPLS = ["interpret", "reference"]
 TP = 4
 
@@ -36,10 +38,6 @@ def put(mesh, a, *spec):
 
 def rand(key, shape, dtype=jnp.bfloat16, scale=1.0):
     return (jax.random.normal(jax.random.PRNGKey(key), shape, jnp.float32) * scale).astype(dtype)
-
-
-def compiled(fn, *args):
-    return jax.jit(fn).lower(*args).compile().as_text()
 
 
 def same(a, b, what="", exact=True):
@@ -66,7 +64,7 @@ def check(mesh, fn, args, specs, *, expect_all_reduce=None, what="", exact=True)
     sharded = [put(mesh, a, *s) for a, s in zip(args, specs)]
     out = jax.jit(fn)(*sharded)
     same(out, jax.jit(fn)(*args), what, exact)
-    text = compiled(fn, *sharded)
+    text = compiled_text(fn, *sharded)
     assert "all-gather" not in text, f"{what}: the compiled module gathers"
     if expect_all_reduce is not None:
         assert ("all-reduce" in text) == expect_all_reduce, f"{what}: all-reduce {not expect_all_reduce}"
@@ -197,5 +195,5 @@ def test_kda_output_tensor_parallel(mesh):
     out = jax.jit(path)(ps, os_, gs)
     ref = jax.jit(path)(params, o, g)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
-    text = compiled(path, ps, os_, gs)
+    text = compiled_text(path, ps, os_, gs)
     assert "all-gather" not in text and "all-reduce" in text
