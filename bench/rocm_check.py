@@ -1,28 +1,33 @@
-"""``python -m bench.rocm_check``: compile every kernel to AMDGCN for gfx942 and gfx950 on the CPU.
+"""``python -m bench.rocm_check``: compile every kernel for gfx942 and gfx950 on the CPU and gate it.
 
 No ROCm GPU is needed. For every public kernel, the benchmark's model configs and token counts,
-and the launch config the platform module picks for that AMD target, it
+each FP8 kernel with both FP8 conversion paths (the integer encoder and the native cast), and the
+launch config the platform module picks for that AMD target, it compiles the kernel and reads the
+resources of the machine code: VGPR, SGPR, AGPR, spills, scratch, LDS, occupancy (waves per
+SIMD), instruction count, and the FP8 conversion instructions used.
 
-1. lowers deviceless for ``rocm`` (an abstract gfx942 / gfx950 device) and takes the Triton IR
-   that Pallas stores in the custom call (``k3pallas._compat.triton_ir_modules``);
-2. compiles that IR with the PyPI ``triton`` package (the ``rocm-check`` extra) for
-   ``GPUTarget("hip", arch, 64)`` through ttgir, llir and amdgcn to a HSACO, in a separate process
-   (jax and triton each carry their own LLVM);
-3. reads the resources from the AMDGCN text: VGPR, SGPR, AGPR, spills, scratch, occupancy
-   (waves per SIMD), instruction count, the FP8 conversion instructions used, and LDS from the
-   compiled kernel's metadata.
+Two compilers (``--compiler``):
 
-It also compiles the FP8 encoders alone (``encode_fp8`` in a Pallas kernel, against Triton's own
-native casts written in the Triton language) to compare their instruction counts.
+* ``xla`` (default, what CI gates): XLA's own ROCm backend from ``jax-rocm7-pjrt`` /
+  ``jax-rocm7-plugin``, deviceless, in the environment ``python -m bench.rocm_env`` builds
+  (``bench.rocm_xla`` runs there, one process per arch). This is the compiler a MI300X / MI355X
+  user's jax runs: XLA's Triton fork, its pass pipeline, LLVM AMDGPU, and the HSACO it would load.
+  It also compiles the Kimi-K3 blocks (``k3pallas.models.kimi_k3``) as whole programs and reports
+  what XLA makes of them (``--programs``).
+* ``triton``: the Triton IR that Pallas emits, compiled by the PyPI ``triton`` package (the
+  ``rocm-check`` extra) for ``GPUTarget("hip", arch, 64)``. Kept for what the XLA path does not
+  give: a second, independent compiler's figures (``both`` puts them side by side), and
+  Triton's own ``; Occupancy`` line, against which the occupancy formula used on XLA's HSACO
+  (``bench.rocm_xla.occupancy``) was checked (equal on all 132 kernels of the last pip gate).
 
 ``--check`` fails on a compile error, any spill or scratch use, or an occupancy below
 ``MIN_OCCUPANCY`` waves per SIMD. Why 4: these kernels are memory-bound and do one pass, so they
 hide HBM latency only with enough loads in flight. At 4 waves per SIMD a CU runs 16 waves, each
 with at least 64 lanes x 16 bytes = 1 KiB of loads outstanding: 16 KiB per CU, about 5 MB on an
 MI300X's 304 CUs, which covers 5.3 TB/s x ~1 us of latency (Little's law). Lower occupancy leaves
-the memory system idle between a program's load and its store.
-
-XLA's ROCm backend compiles with its own Triton build: treat the figures as close estimates.
+the memory system idle between a program's load and its store. ``--broken`` adds a deliberately
+broken launch (a 1536-wide RMSNorm with 64 rows on one wavefront: thousands of values per lane),
+which must make the gate fail; CI checks that it does.
 """
 
 from __future__ import annotations
@@ -48,27 +53,53 @@ _FP8_CVT = re.compile(r"\b(v_cvt\w*(fp8|bf8)\w*)")
 # ------------------------------------------------------------------------------------------------
 
 
-def _cases(tokens, ops):
+FP8_OPS = ("rmsnorm_gated_fp8_per_token", "per_token_fp8_quant")
+FP8_CASTS = ("encoder", "native")
+BROKEN = {"op": "rmsnorm", "config": "deepseek-v3-mla", "tokens": 4096, "launch": [64, 1, 1],
+          "broken": True}
+PROGRAMS = ("mla_front", "kda_out_fp8", "kda_out_fp8_tp8")
+PROGRAM_TOKENS = (64, 4096)
+
+
+def cases(tokens, ops, casts=FP8_CASTS) -> list[dict]:
+    """Every (op, config, T[, fp8 cast]) the gate compiles."""
     from bench import shapes
 
+    out = []
     for op, cfgs in shapes.OP_CONFIGS.items():
         if (ops and op not in ops) or op in shapes.NO_KERNEL_OF_ITS_OWN:
             continue
         for cfg in cfgs:
             for t in tokens:
-                yield op, cfg, t
+                for cast in (casts if op in FP8_OPS else (None,)):
+                    out.append({"op": op, "config": cfg, "tokens": t,
+                                **({"fp8_cast": cast} if cast else {})})
+    return out
 
 
-def _op_fn(op, cfg_name, t):
+def case_fn(case):
+    """(function, ShapeDtypeStructs) of one case. FP8: the target's default format; the cast
+    "native" is requested as "native_unchecked" (compiling ahead of time: no device to run the
+    self-check on). A ``launch`` [rows, warps, stages] forces a launch config (``--broken``)."""
     import jax
     import jax.numpy as jnp
 
     import k3pallas as kp
     from bench import shapes
+    from k3pallas import platform
+    from k3pallas.kernels import rmsnorm as rmsnorm_kernels
 
-    cfg = shapes.config(cfg_name)
+    op, t = case["op"], case["tokens"]
+    cfg = shapes.config(case["config"])
     bf16, f32 = jnp.bfloat16, jnp.float32
     s = jax.ShapeDtypeStruct
+    cast = {"native": "native_unchecked"}.get(case.get("fp8_cast"), case.get("fp8_cast"))
+    if case.get("launch"):
+        config = platform.LaunchConfig(*case["launch"])
+        segments = [rmsnorm_kernels.Segment(0, 0, cfg.q_lora_rank, cfg.eps)]
+        return (lambda x, w: rmsnorm_kernels.segments_rows([x], segments, [w], op=op,
+                                                           interpret=False, config=config)[0],
+                [s((t, cfg.q_lora_rank), bf16), s((cfg.q_lora_rank,), bf16)])
     if op == "fused_q_kv_rmsnorm":
         return (lambda *a: kp.fused_q_kv_rmsnorm(*a, impl="pallas"),
                 [s((t, cfg.q_lora_rank), bf16), s((t, cfg.kv_lora_rank), bf16),
@@ -85,11 +116,38 @@ def _op_fn(op, cfg_name, t):
         return (lambda *a: kp.rmsnorm_gated(*a, impl="pallas"),
                 [s((t, h, d), bf16), s((d,), f32), s((t, h, d), bf16)])
     if op == "rmsnorm_gated_fp8_per_token":  # fp8 dtype: the device default (fnuz on gfx942)
-        return (lambda *a: kp.rmsnorm_gated_fp8_per_token(*a, impl="pallas"),
+        return (lambda *a: kp.rmsnorm_gated_fp8_per_token(*a, fp8_cast=cast, impl="pallas"),
                 [s((t, h, d), bf16), s((d,), f32), s((t, h, d), bf16)])
     if op == "per_token_fp8_quant":
-        return lambda a: kp.per_token_fp8_quant(a, impl="pallas"), [s((t, h * d), bf16)]
+        return (lambda a: kp.per_token_fp8_quant(a, fp8_cast=cast, impl="pallas"),
+                [s((t, h * d), bf16)])
     raise KeyError(op)
+
+
+def program_fn(name, tokens, target):
+    """(function, ShapeDtypeStructs) of a Kimi-K3 block, weights as arguments (shapes only)."""
+    import jax
+    import jax.numpy as jnp
+
+    from k3pallas import platform
+    from k3pallas.models import kimi_k3
+
+    key = jax.random.PRNGKey(0)
+    bf16 = jnp.bfloat16
+    with platform.compiling_for(target):  # the target's FP8 weight format
+        if name == "mla_front":
+            cfg = kimi_k3.KIMI_K3
+            params = jax.eval_shape(lambda: kimi_k3.init_mla_front(key, cfg))
+            return (lambda p, x: kimi_k3.mla_front(p, x, cfg=cfg, impl="pallas"),
+                    [params, jax.ShapeDtypeStruct((tokens, cfg.hidden), bf16)])
+        cfg = kimi_k3.KIMI_K3 if name == "kda_out_fp8" else kimi_k3.KIMI_K3_TP8
+        params = jax.eval_shape(lambda: kimi_k3.init_kda_out(key, cfg))
+    hd = jax.ShapeDtypeStruct((tokens, cfg.kda_heads, cfg.kda_head_dim), bf16)
+    return (lambda p, o, g: kimi_k3.kda_out_fp8(p, o, g, cfg=cfg, impl="pallas"), [params, hd, hd])
+
+
+def _op_fn(op, cfg_name, t):
+    return case_fn({"op": op, "config": cfg_name, "tokens": t})
 
 
 def _encoder_kernel_ir(arch):
@@ -118,19 +176,19 @@ def _encoder_kernel_ir(arch):
     return mod, jnp.dtype(dtype).name
 
 
-def extract(tokens, ops, workdir, log):
+def extract(tokens, ops, workdir, log, broken=False):
     from k3pallas import _compat
 
     manifest = []
     for arch in ARCHS:
-        for op, cfg, t in _cases(tokens, ops):
-            fn, args = _op_fn(op, cfg, t)
+        for i, case in enumerate(cases(tokens, ops) + ([BROKEN] if broken else [])):
+            fn, args = case_fn(case)
             lowered = _compat.lower_for(fn, args, arch, "rocm")
             for mod in _compat.triton_ir_modules(lowered):
-                path = os.path.join(workdir, f"{arch}-{op}-{cfg}-{t}.ttir")
+                path = os.path.join(workdir, f"{arch}-{i}.ttir")
                 with open(path, "w") as f:
                     f.write(mod["ir"])
-                manifest.append({"arch": arch, "op": op, "config": cfg, "tokens": t,
+                manifest.append({**case, "arch": arch,
                                  "kernel": mod["name"], "num_warps": mod["num_warps"],
                                  "num_stages": mod["num_stages"], "grid": mod["grid"],
                                  "path": path})
@@ -232,55 +290,122 @@ def problems(r) -> list[str]:
         out.append(f"spills ({r['vgpr_spill']} VGPR, {r['sgpr_spill']} SGPR)")
     if r.get("scratch"):
         out.append(f"scratch {r['scratch']} bytes")
-    if r["op"].startswith(("fused", "rmsnorm", "per_token")) and (r.get("occupancy") or 0) < MIN_OCCUPANCY:
+    if r["op"].startswith(("fused", "rmsnorm", "per_token", "mla")) and (r.get("occupancy") or 0) < MIN_OCCUPANCY:
         out.append(f"occupancy {r.get('occupancy')} < {MIN_OCCUPANCY}")
     return out
 
 
-def markdown(results, meta) -> str:
-    lines = [f"# ROCm compile gate: AMDGCN resources (triton {meta['triton']}, jax {meta['jax']})", "",
-             "Compiled on the CPU from the Triton IR that Pallas emits, with the launch config the "
-             "platform module picks for each target (wavefront 64). Occupancy: waves per SIMD "
-             f"(gate: >= {MIN_OCCUPANCY}). LDS in bytes. `fp8 cvt`: FP8 conversion instructions.", "",
-             "| arch | op | config | T | R grid | warps | VGPR | SGPR | AGPR | spills | scratch | LDS | occupancy | instructions | fp8 cvt | gate |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def _key(r):
+    return (r["arch"], r["op"], r["config"], r.get("tokens"), r.get("fp8_cast"), bool(r.get("broken")))
+
+
+def markdown(results, meta, programs=(), other=None) -> str:
+    """The gate's table; with ``other`` (the pip-triton results of the same cases) both
+    compilers side by side as ``xla/pip``."""
+    pair = other is not None
+    by_key = {_key(r): r for r in (other or [])}
+    title = ("XLA's ROCm compiler (jax-rocm7 %s) vs pip triton %s" % (meta.get("jax_rocm"), meta.get("triton"))
+             if pair else f"{meta['compiler']}")
+    lines = [f"# ROCm compile gate: AMDGCN resources, {title}", "",
+             "Compiled on the CPU, deviceless, with the launch config the platform module picks for "
+             "each target (wavefront 64). Occupancy: waves per SIMD (gate: >= "
+             f"{MIN_OCCUPANCY}). LDS in bytes. `fp8 cvt`: FP8 conversion instructions (count). "
+             "`cast`: the FP8 conversion path of the kernel (encoder: integer bit encoder; native: "
+             "the hardware conversion)." + (" Cells `a/b`: XLA / pip triton." if pair else ""), "",
+             "| arch | op | config | T | cast | R grid | warps | VGPR | SGPR | AGPR | spills | scratch | LDS | occupancy | instructions | VALU | fp8 cvt | gate |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(r, o, k):
+        v = r.get(k)
+        return f"{v}/{o.get(k)}" if pair and o is not None and k in o else f"{v}"
+
     for r in results:
+        name = r["op"] + (" (broken on purpose)" if r.get("broken") else "")
+        cast = r.get("fp8_cast") or "-"
         if "error" in r:
-            lines.append(f"| {r['arch']} | {r['op']} | {r['config']} | {r.get('tokens', '')} | | | "
-                         f"| | | | | | | | | {'FAIL' if problems(r) else 'n/a'}: {r['error'][:80]} |")
+            lines.append(f"| {r['arch']} | {name} | {r['config']} | {r.get('tokens', '')} | {cast} | | | "
+                         f"| | | | | | | | | | {'FAIL' if problems(r) else 'n/a'}: {r['error'][:80]} |")
             continue
+        o = by_key.get(_key(r))
         grid = r.get("grid", ["-"])[0] if r.get("grid") else "-"
         p = problems(r)
+        cvt = ", ".join(r.get("fp8_cvt") or []) or "-"
+        if r.get("fp8_cvt_count"):
+            cvt += f" ({r['fp8_cvt_count']})"
         lines.append(
-            f"| {r['arch']} | {r['op']} | {r['config']} | {r['tokens']} | {grid} | {r['num_warps']} | "
-            f"{r['vgpr']} | {r['sgpr']} | {r['agpr']} | {r['vgpr_spill']}/{r['sgpr_spill']} | "
-            f"{r['scratch']} | {r.get('lds')} | {r['occupancy']} | {r['instructions']} | "
-            f"{', '.join(r['fp8_cvt']) or '-'} | {'; '.join(p) if p else 'ok'} |")
+            f"| {r['arch']} | {name} | {r['config']} | {r['tokens']} | {cast} | {grid} | {r['num_warps']} | "
+            f"{cell(r, o, 'vgpr')} | {cell(r, o, 'sgpr')} | {cell(r, o, 'agpr')} | "
+            f"{r['vgpr_spill']}/{r['sgpr_spill']} | {r['scratch']} | {cell(r, o, 'lds')} | "
+            f"{cell(r, o, 'occupancy')} | {cell(r, o, 'instructions')} | {r.get('valu', '-')} | {cvt} | "
+            f"{'; '.join(p) if p else 'ok'} |")
+    if programs:
+        lines += ["", "## Whole programs: the Kimi-K3 blocks as XLA's ROCm backend compiles them", "",
+                  "Deviceless there is no autotuning: XLA takes its default choice for the GEMMs "
+                  "(on a MI300X / MI355X with a device it may autotune to another).", "",
+                  "| arch | program | T | kernel launches (ours **bold**) | custom calls | FP8 dot becomes |",
+                  "|---|---|---|---|---|---|"]
+        for pr in programs:
+            if "error" in pr:
+                lines.append(f"| {pr['arch']} | {pr['program']} | {pr['tokens']} | FAIL: {pr['error'][:100]} | | |")
+                continue
+            ks = ", ".join((f"**{k['kernel']}**" if k["ours"] else k["kernel"]) for k in pr["launches"])
+            cc = ", ".join(sorted({c["target"] for c in pr["custom_calls"]})) or "-"
+            lines.append(f"| {pr['arch']} | {pr['program']} | {pr['tokens']} | {ks} | {cc} | "
+                         f"{fp8_dot_summary(pr)} |")
     return "\n".join(lines)
 
 
-def main(argv=None):
-    from bench import shapes
+def fp8_dot_summary(pr) -> str:
+    if pr["program"] == "mla_front":
+        return "- (bf16 GEMMs)"
+    gemm = [k["kernel"] for k in pr["launches"] if "gemm" in k["kernel"] or "dot" in k["kernel"]]
+    blas = [c["target"] for c in pr["custom_calls"] if "blas" in c["target"].lower()]
+    if blas:
+        return f"custom call {', '.join(sorted(set(blas)))}"
+    if gemm:
+        return "XLA Triton GEMM kernel " + ", ".join(gemm)
+    return "other (see JSON)"
 
-    p = argparse.ArgumentParser(prog="python -m bench.rocm_check", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", default=",".join(map(str, shapes.DEFAULT_TOKENS)))
-    p.add_argument("--ops", default=None, help="comma-separated ops (default: all)")
-    p.add_argument("--out", default=os.path.join("bench", "out"))
-    p.add_argument("--check", action="store_true", help="exit 1 on any gate failure")
-    p.add_argument("--compile-manifest", default=None, help=argparse.SUPPRESS)  # part 2
-    args = p.parse_args(argv)
-    if args.compile_manifest:
-        json.dump(compile_all(args.compile_manifest), sys.stdout)
-        return 0
 
-    import jax
+def run_xla(all_cases, programs, log, env_dir=None) -> tuple[list, list, dict]:
+    """Compile the cases and programs with XLA's ROCm backend, one worker process per arch."""
+    from bench import rocm_env
 
-    t0 = time.time()
-    log = lambda m: print(f"[{time.time() - t0:6.1f}s] {m}", file=sys.stderr, flush=True)  # noqa: E731
+    env = rocm_env.ensure(env_dir, log=log)
+    procs = []
     with tempfile.TemporaryDirectory() as work:
-        manifest = extract([int(t) for t in args.tokens.split(",")],
-                           args.ops.split(",") if args.ops else None, work, log)
+        for arch in ARCHS:
+            path = os.path.join(work, f"{arch}-cases.json")
+            with open(path, "w") as f:
+                json.dump(all_cases + [{"program": p, "tokens": t} for p in programs
+                                       for t in PROGRAM_TOKENS], f)
+            hsaco, dump = os.path.join(work, f"{arch}-hsaco"), os.path.join(work, f"{arch}-dump")
+            os.makedirs(hsaco)
+            extra = {"TF_XLA_HSACO_CACHE_DIR": hsaco, "TF_XLA_HSACO_BITCODE_SIZE_THRESHOLD": "0",
+                     "K3PALLAS_XLA_DUMP": dump, "XLA_FLAGS": f"--xla_dump_to={dump}"}
+            out = os.path.join(work, f"{arch}-out.json")
+            procs.append((arch, out, subprocess.Popen(
+                [env["python"], "-m", "bench.rocm_xla", arch, path, out],
+                env=rocm_env.worker_environ(env, extra), cwd=rocm_env._repo_root(),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+        kernels, progs = [], []
+        for arch, out, proc in procs:
+            _, err = proc.communicate()
+            if proc.returncode != 0:
+                lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+                raise SystemExit(f"rocm_check: the XLA ROCm worker for {arch} failed: "
+                                 f"{(lines or ['?'])[-1][:400]}")
+            with open(out) as f:
+                got = json.load(f)
+            kernels += got["kernels"]
+            progs += got["programs"]
+            log(f"{arch}: XLA compiled {len(got['kernels'])} kernels, {len(got['programs'])} programs")
+    return kernels, progs, {"jax_rocm": env["jax"]}
+
+
+def run_triton(tokens, ops, log, broken) -> tuple[list, str]:
+    with tempfile.TemporaryDirectory() as work:
+        manifest = extract(tokens, ops, work, log, broken)
         path = os.path.join(work, "manifest.json")
         with open(path, "w") as f:
             json.dump(manifest, f)
@@ -291,18 +416,75 @@ def main(argv=None):
             sys.stderr.write(proc.stderr[-5000:])
             raise SystemExit("the triton compile process failed (is the rocm-check extra installed?)")
         results = json.loads(proc.stdout)
-    triton_version = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"],
-                                    capture_output=True, text=True).stdout.strip()
-    meta = {"jax": jax.__version__, "triton": triton_version, "min_occupancy": MIN_OCCUPANCY}
+    version = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"],
+                             capture_output=True, text=True).stdout.strip()
+    return results, version
+
+
+def main(argv=None):
+    from bench import shapes
+
+    p = argparse.ArgumentParser(prog="python -m bench.rocm_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compiler", choices=("xla", "triton", "both"), default="xla")
+    p.add_argument("--tokens", default=",".join(map(str, shapes.DEFAULT_TOKENS)))
+    p.add_argument("--ops", default=None, help="comma-separated ops (default: all)")
+    p.add_argument("--no-programs", action="store_true", help="skip the whole-program report (xla)")
+    p.add_argument("--broken", action="store_true", help="add a deliberately broken kernel (the gate must fail)")
+    p.add_argument("--env-dir", default=None, help="the bench.rocm_env folder (default: its default)")
+    p.add_argument("--out", default=os.path.join("bench", "out"))
+    p.add_argument("--stem", default="rocm_check", help="output file names (<stem>.md / .json)")
+    p.add_argument("--check", action="store_true", help="exit 1 on any gate failure")
+    p.add_argument("--compile-manifest", default=None, help=argparse.SUPPRESS)  # triton part 2
+    args = p.parse_args(argv)
+    if args.compile_manifest:
+        json.dump(compile_all(args.compile_manifest), sys.stdout)
+        return 0
+
+    import jax
+
+    from bench import rocm_env
+
+    t0 = time.time()
+    log = lambda m: print(f"[{time.time() - t0:6.1f}s] {m}", file=sys.stderr, flush=True)  # noqa: E731
+    tokens = [int(t) for t in args.tokens.split(",")]
+    ops = args.ops.split(",") if args.ops else None
+    all_cases = cases(tokens, ops) + ([BROKEN] if args.broken else [])
+    meta = {"jax": jax.__version__, "min_occupancy": MIN_OCCUPANCY, "compiler": args.compiler}
+    results, programs, other = [], [], None
+    try:
+        if args.compiler in ("xla", "both"):
+            results, programs, m = run_xla(all_cases, [] if args.no_programs else PROGRAMS, log,
+                                           args.env_dir)
+            meta.update(m, compiler="XLA ROCm backend (jax-rocm7-plugin %s)" % m["jax_rocm"])
+        if args.compiler in ("triton", "both"):
+            tri, meta["triton"] = run_triton(tokens, ops, log, args.broken)
+            if args.compiler == "triton":
+                results, meta["compiler"] = tri, f"pip triton {meta['triton']}"
+            else:
+                other = tri
+                results += [r for r in tri if r["op"] in ("native cast (Triton)",)
+                            or r["op"].startswith("encode_fp8")]
+    except rocm_env.SetupError as e:
+        print(f"rocm_check: {e}", file=sys.stderr)
+        return 2
+    meta["seconds"] = round(time.time() - t0, 1)
     log(f"compiled {len(results)} kernels")
-    md = markdown(results, meta)
-    write_report(args.out, "rocm_check", md, {"meta": meta, "results": results})
+    md = markdown(results, meta, programs, other)
+    write_report(args.out, args.stem, md, {"meta": meta, "results": results, "programs": programs,
+                                           **({"triton": other} if other is not None else {})})
     print(md)
     failures = [(r, problems(r)) for r in results if problems(r)]
     for r, ps in failures:
-        print(f"GATE FAIL {r['arch']} {r['op']} {r['config']} T={r.get('tokens')}: {'; '.join(ps)}",
+        print(f"GATE FAIL {r['arch']} {r['op']} {r['config']} T={r.get('tokens')} "
+              f"cast={r.get('fp8_cast')}: {'; '.join(ps)}", file=sys.stderr)
+    bad_programs = [pr for pr in programs if "error" in pr]
+    for pr in bad_programs:
+        print(f"GATE FAIL program {pr['arch']} {pr['program']} T={pr['tokens']}: {pr['error']}",
               file=sys.stderr)
-    if args.check and failures:
+    print(f"rocm_check: {len(results)} kernels, {len(programs)} programs, {len(failures)} kernel "
+          f"failures, {len(bad_programs)} program failures, {meta['seconds']} s", file=sys.stderr)
+    if args.check and (failures or bad_programs):
         return 1
     return 0
 

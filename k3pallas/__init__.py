@@ -9,11 +9,13 @@ Public API (``import k3pallas as kp``):
 * ``kp.per_token_fp8_quant``: dynamic per-token FP8 of an already-normed activation.
 * ``kp.quantize_weight_per_channel`` and ``kp.fp8_linear``: the FP8 matmul that consumes the
   quantized activation (``linear.py``; XLA's vendor FP8 GEMM, no Pallas).
-* ``kp.QuantizedActivation``, ``kp.default_fp8_dtype`` and the ``FP8_*_MAX`` constants.
+* ``kp.QuantizedActivation``, ``kp.default_fp8_dtype`` and the ``FP8_*_MAX`` constants;
+  ``kp.fp8_cast_decisions()``: which FP8 conversion the kernels use, and why.
 
 Where things are: ``api.py`` (these functions), ``reference.py`` (the jnp semantics),
 ``kernels/`` (the Pallas Triton kernels), ``platform.py`` (targets and launch configs),
-``fp8.py`` (format rules and the bit encoder), ``linear.py`` (FP8 matmul), ``models/`` (runnable
+``fp8.py`` (format rules and the bit encoder), ``fp8_cast.py`` (native conversion or encoder:
+the device self-check), ``linear.py`` (FP8 matmul), ``models/`` (runnable
 Kimi-K3 blocks), ``_compat.py`` (jax-version shims).
 """
 
@@ -34,6 +36,7 @@ from k3pallas.fp8 import (
     QuantizedActivation,
     default_fp8_dtype,
 )
+from k3pallas.fp8_cast import decisions as fp8_cast_decisions
 from k3pallas.linear import fp8_linear, quantize_weight_per_channel
 from k3pallas.platform import current_target
 
@@ -41,6 +44,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm", "rmsnorm_gated", "rmsnorm_gated_fp8_per_token",
-    "per_token_fp8_quant", "quantize_weight_per_channel", "fp8_linear", "QuantizedActivation", "default_fp8_dtype", "current_target",
+    "per_token_fp8_quant", "quantize_weight_per_channel", "fp8_linear", "QuantizedActivation", "default_fp8_dtype", "current_target", "fp8_cast_decisions",
     "FP8_E4M3FN_MAX", "FP8_E4M3FNUZ_MAX", "FP8_E4M3FNUZ_MAX_AITER", "FP8_E5M2_MAX", "reference",
 ]

@@ -5,6 +5,7 @@ Nothing else in the package imports private jax internals or checks ``jax.__vers
 
 from __future__ import annotations
 
+import contextvars
 import re
 
 import jax
@@ -151,3 +152,102 @@ def triton_ir_modules(lowered) -> list[dict]:
                     "num_stages": fields["num_stages"],
                     "grid": (fields["grid_x"], fields["grid_y"], fields["grid_z"]), "ir": text})
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiling with XLA's own ROCm backend on a machine without a GPU (bench.rocm_check). Private jax,
+# written for and checked against jax 0.12.0 with jax-rocm7-plugin 0.12.0 (bench.rocm_env pins it).
+# ------------------------------------------------------------------------------------------------
+
+ROCM_DEVICELESS_JAX = ((0, 12, 0),)
+
+
+def rocm_deviceless_topology(target_config_text: str, arch: str, device_kind: str):
+    """A one-device ROCm topology for ``arch`` from XLA's ``GpuTargetConfigProto`` text, with the
+    two patches that let the compile-only plugin start and Pallas lower for it:
+
+    * ``jax._src.hardware_utils.num_available_amd_gpus`` -> 1: the plugin refuses to initialise
+      when the kernel driver shows no GPU;
+    * ``jax._src.pallas.triton.gpu_info.registry[device_kind]``: the compile-only device reports
+      its marketing name (``"MI300X"``) and no compute capability, which Pallas' Triton lowering
+      does not map to an arch; the registry entry tells it ``arch``.
+
+    Call before the first use of the ROCm backend in the process. Raises RuntimeError naming the
+    version on a jax these patches were not written for.
+    """
+    if JAX_VERSION[:3] not in ROCM_DEVICELESS_JAX:
+        raise RuntimeError(
+            f"the deviceless ROCm patches in k3pallas._compat were written for jax "
+            f"{', '.join('.'.join(map(str, v)) for v in ROCM_DEVICELESS_JAX)}; this is jax "
+            f"{jax.__version__} (build the environment with python -m bench.rocm_env)")
+    from jax._src import hardware_utils
+    from jax._src.pallas.triton import gpu_info
+    from jax.experimental import topologies
+
+    hardware_utils.num_available_amd_gpus = lambda stop_at=None: 1
+    gpu_info.registry[device_kind] = lambda: gpu_info.GpuInfo(
+        gpu_version=None, arch_name=arch, compute_capability=0)
+    return topologies.get_topology_desc("", "rocm", target_config=target_config_text,
+                                        topology="1x1x1")
+
+
+# ------------------------------------------------------------------------------------------------
+# The native float32 -> float8_e4m3fnuz cast in Pallas' Triton lowering (k3pallas.fp8_cast).
+# ------------------------------------------------------------------------------------------------
+
+# jax versions whose ``jax._src.pallas.triton.lowering`` was read for this patch: the refusal is
+# the table entry ``(ir.Float8E4M3FNUZType, "float8_e4m3fnuz", lambda _: False)`` of
+# ``_UNSUPPORTED_CAST_DTYPES``, and ``pallas_call_registration`` calls
+# ``lowering.lower_jaxpr_to_triton_module`` with the kernel's jaxpr (whose ``debug_info.func_name``
+# is the pallas_call's name). Identical in 0.10.2, 0.11.2 and 0.12.0.
+NATIVE_FNUZ_JAX = ((0, 10, 2), (0, 11, 2), (0, 12, 0))
+_IN_OWN_KERNEL = contextvars.ContextVar("k3pallas_lowering_own_kernel", default=False)
+_FNUZ_PATCHED = []
+
+
+def native_fnuz_cast_unavailable() -> str | None:
+    """None if ``enable_native_fnuz_cast`` can work on this jax, else the reason."""
+    if JAX_VERSION[:3] not in NATIVE_FNUZ_JAX:
+        return (f"the native e4m3fnuz cast patch was written for jax "
+                f"{', '.join('.'.join(map(str, v)) for v in NATIVE_FNUZ_JAX)}, not {jax.__version__}")
+    try:
+        from jax._src.pallas.triton import lowering
+    except ImportError as e:
+        return f"jax's Pallas Triton lowering is not importable ({e})"
+    entries = [e for e in getattr(lowering, "_UNSUPPORTED_CAST_DTYPES", ()) if len(e) == 3
+               and e[1] == "float8_e4m3fnuz"]
+    if not _FNUZ_PATCHED and (len(entries) != 1 or not hasattr(lowering, "lower_jaxpr_to_triton_module")):
+        return "jax's Pallas Triton lowering does not have the expected fp8 cast table"
+    return None
+
+
+def enable_native_fnuz_cast() -> None:
+    """Let kernels named ``k3pallas_*`` (and only those) cast to ``float8_e4m3fnuz``.
+
+    The lowering refuses every cast to that format through one table entry. This replaces that
+    entry's predicate by one that holds while a ``k3pallas_*`` kernel is being lowered, which a
+    wrapper of ``lower_jaxpr_to_triton_module`` marks; any other Pallas kernel is refused as
+    before. Idempotent. Raises RuntimeError where ``native_fnuz_cast_unavailable()`` says why.
+    """
+    if _FNUZ_PATCHED:
+        return
+    reason = native_fnuz_cast_unavailable()
+    if reason:
+        raise RuntimeError(reason)
+    from jax._src.pallas.triton import lowering
+
+    lowering._UNSUPPORTED_CAST_DTYPES = tuple(
+        (t, name, (lambda cc: _IN_OWN_KERNEL.get()) if name == "float8_e4m3fnuz" else pred)
+        for t, name, pred in lowering._UNSUPPORTED_CAST_DTYPES)
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def lower_marking_own_kernels(jaxpr, *args, **kwargs):
+        name = getattr(getattr(jaxpr, "debug_info", None), "func_name", "") or ""
+        token = _IN_OWN_KERNEL.set(name.startswith("k3pallas_"))
+        try:
+            return original(jaxpr, *args, **kwargs)
+        finally:
+            _IN_OWN_KERNEL.reset(token)
+
+    lowering.lower_jaxpr_to_triton_module = lower_marking_own_kernels
+    _FNUZ_PATCHED.append(original)

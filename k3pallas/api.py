@@ -95,11 +95,20 @@ def _check_activation(op, activation):
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
-def _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub):
+def _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast):
     try:
-        return fp8_lib.resolve_fp8_params(fp8_dtype, fp8_max, min_scale, scale_ub)
+        return fp8_lib.resolve_fp8_params(fp8_dtype, fp8_max, min_scale, scale_ub,
+                                          fp8_cast=fp8_cast)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{op}: {e}") from None
+
+
+def _for_kernel(op, q, impl):
+    """``q`` with the FP8 conversion path decided for the kernel (``k3pallas.fp8_cast``)."""
+    try:
+        return q.for_kernel(interpret=impl == "interpret")
+    except RuntimeError as e:
+        raise RuntimeError(f"{op}: {e}") from None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -349,6 +358,13 @@ _FP8_DOC = """
         device (what a row-parallel o_proj consumes: each rank quantizes its slice); ``G = 1``
         gives one scale per token across all shards (an all-reduce max of the per-shard
         scales). See ``k3pallas.sharding``.
+      fp8_cast: the float32 -> FP8 conversion in the kernel: "auto" (the hardware conversion
+        where the target has one and a self-check on the device showed it equal to the integer
+        encoder, else the encoder), "native" (RuntimeError where that is not possible),
+        "encoder", or "native_unchecked" (ahead-of-time compilation only); default None: the
+        environment variable ``K3PALLAS_FP8_CAST``, else "auto". The codes are the same either
+        way; ``k3pallas.fp8_cast`` explains the check, ``kp.fp8_cast_decisions()`` what was
+        decided. Ignored by ``impl="reference"`` (XLA's cast).
 """
 
 
@@ -400,10 +416,10 @@ def _check_groups(op, scale_groups, n, what):
 
 def rmsnorm_gated_fp8_per_token(x, weight, gate, eps=1e-5, *, activation="sigmoid",
                                 fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None,
-                                scale_groups=1, impl="auto") -> QuantizedActivation:
+                                scale_groups=1, fp8_cast=None, impl="auto") -> QuantizedActivation:
     op = "rmsnorm_gated_fp8_per_token"
     eps = _check_gated(op, x, weight, gate, eps, activation)
-    q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub)
+    q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
     heads, dim = x.shape[-2:]
     groups = _check_groups(op, scale_groups, heads, "the number of heads")
     impl = _resolve_impl(impl, op)
@@ -420,7 +436,8 @@ def rmsnorm_gated_fp8_per_token(x, weight, gate, eps=1e-5, *, activation="sigmoi
         data, scale = jnp.zeros(lead + (heads * dim,), q.dtype), jnp.zeros(lead + (groups,), jnp.float32)
     else:
         run = sharding.partitioned(op, _GATED_FP8_RULE, _gated_fp8_local, eps=eps,
-                                   activation=activation, quant=q, interpret=impl == "interpret")
+                                   activation=activation, quant=_for_kernel(op, q, impl),
+                                   interpret=impl == "interpret")
         data, scale = _inference_only(op, run, xg, weight, gg)
     return QuantizedActivation(data.reshape(lead + (heads * dim,)), scale.reshape(lead + (groups,)))
 
@@ -442,10 +459,10 @@ rmsnorm_gated_fp8_per_token.__doc__ = """Gated RMSNorm fused with dynamic per-to
 
 
 def per_token_fp8_quant(x, *, fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None,
-                        scale_groups=1, impl="auto") -> QuantizedActivation:
+                        scale_groups=1, fp8_cast=None, impl="auto") -> QuantizedActivation:
     op = "per_token_fp8_quant"
     _check_array(op, "x", x)
-    q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub)
+    q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
     n = x.shape[-1]
     groups = _check_groups(op, scale_groups, n, "the last dim of x")
     impl = _resolve_impl(impl, op)
@@ -458,7 +475,7 @@ def per_token_fp8_quant(x, *, fp8_dtype=None, fp8_max=None, min_scale=None, scal
     elif math.prod(lead) == 0:
         data, scale = jnp.zeros(x.shape, q.dtype), jnp.zeros(lead + (groups,), jnp.float32)
     else:
-        run = sharding.partitioned(op, _QUANT_RULE, _quant_local, quant=q,
+        run = sharding.partitioned(op, _QUANT_RULE, _quant_local, quant=_for_kernel(op, q, impl),
                                    interpret=impl == "interpret")
         data, scale = _inference_only(op, run, xg)
     return QuantizedActivation(data.reshape(x.shape), scale.reshape(lead + (groups,)))

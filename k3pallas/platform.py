@@ -15,6 +15,8 @@ Two things live here and nowhere else:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import json
@@ -113,31 +115,38 @@ def device_platform(device) -> str:
     return "rocm" if ("rocm" in version or "hip" in version) else "cuda"
 
 
+_TARGET_OVERRIDE = contextvars.ContextVar("k3pallas_target", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(target: Target):
+    """Code traced inside picks implementations, launch configs and FP8 formats for ``target``.
+
+    For ahead-of-time compilation for a device that is not the default one (for example XLA's
+    ROCm compiler on a CPU-only machine, ``bench.rocm_check``).
+    """
+    token = _TARGET_OVERRIDE.set(target)
+    try:
+        yield target
+    finally:
+        _TARGET_OVERRIDE.reset(token)
+
+
 def current_target() -> Target:
     """The target that code traced now will run on.
 
-    Inside ``jax.sharding.use_abstract_mesh`` with an abstract device (deviceless lowering) that
-    device is the target; otherwise jax's default device is.
+    Inside ``compiling_for(target)``, that target; inside ``jax.sharding.use_abstract_mesh`` with
+    an abstract device (deviceless lowering), that device; otherwise jax's default device.
     """
+    override = _TARGET_OVERRIDE.get()
+    if override is not None:
+        return override
     abstract = _compat.abstract_target_device()
     if abstract is not None:
         return target_for(abstract.device_kind, abstract.platform)
     device = jax.devices()[0]
     return target_for(device.device_kind, device_platform(device),
                       getattr(device, "compute_capability", None))
-
-
-def native_fp8_cast(target: Target, dtype) -> bool:
-    """Whether kernels for ``target`` may use the Triton lowering's own f32 -> ``dtype`` cast.
-
-    Only on NVIDIA, for e4m3fn and e5m2 (``cvt.rn.satfinite``, measured bit-exact with XLA's cast
-    on the H200 by the GPU tests). Everywhere else the integer encoder runs: the lowering refuses
-    casts to e4m3fnuz, and on AMD the native casts are unmeasured here.
-    """
-    import jax.numpy as jnp
-
-    return target.backend == "cuda" and jnp.dtype(dtype) in (
-        jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ reference's semantics:
   raise the amax or fake a NaN, and need no mask in the reductions.
 
 FP8 codes come from the integer encoder ``k3pallas.fp8.encode_fp8`` (stored as uint8 and bitcast
-outside: the Triton lowering refuses casts to ``float8_e4m3fnuz``), or from the lowering's own
-cast where ``platform.native_fp8_cast`` allows it (cheaper: about half the time at large T on an
+outside), or from the lowering's own cast (``native_codes``) where ``k3pallas.fp8_cast`` chose it
+after checking it against the encoder on the device (cheaper: about half the time at large T on an
 H200). Both round to nearest even.
 """
 
@@ -38,6 +38,7 @@ from jax import lax
 
 from k3pallas import fp8 as fp8_lib
 from k3pallas import platform
+from k3pallas._compat import pl
 from k3pallas.kernels import common
 
 _LOG2E = 1.4426950408889634
@@ -74,8 +75,41 @@ def _codes(y, inv_scale, q: fp8_lib.Fp8Params):
         # Comparisons, not min/max: NaN must pass through to the encoder.
         v = jnp.where(v > q.fp8_max, q.fp8_max, jnp.where(v < -q.fp8_max, -q.fp8_max, v))
     if q.native_cast:
-        return v.astype(q.dtype)
+        return native_codes(v, q.dtype)
     return fp8_lib.encode_fp8(v, q.dtype)
+
+
+def native_codes(v, dtype):
+    """The lowering's own float32 -> ``dtype`` cast (round to nearest even), with the fix-up that
+    makes it equal the encoder: in e4m3fnuz, which has no -0, a value that rounds to zero is
+    flushed to +0 before the cast (|v| <= half the smallest subnormal), so the code 0x80 (NaN
+    there) comes only from NaN. No saturation fix-up: the kernels' values never exceed
+    ``fp8_max`` by more than rounding (``_codes``)."""
+    fmt = fp8_lib.fp8_format(dtype)
+    if not fmt.has_negative_zero:
+        half_min_subnormal = 2.0 ** (1 - fmt.bias - fmt.man_bits - 1)
+        v = jnp.where(jnp.abs(v) <= half_min_subnormal, 0.0, v)
+    return v.astype(dtype)
+
+
+def _self_check_kernel(x_ref, enc_ref, nat_ref, *, n, dtype):
+    i = jnp.arange(n, dtype=jnp.int32)
+    v = x_ref[i]
+    enc_ref[i] = fp8_lib.encode_fp8(v, dtype).astype(jnp.uint8)
+    nat_ref[i] = native_codes(v, dtype)
+
+
+def self_check_codes(values, dtype, *, interpret: bool):
+    """``values`` float32 ``[n]`` (n a power of two) -> (encoder codes, native codes), both
+    uint8, from ONE kernel that converts the same values both ways (``k3pallas.fp8_cast``)."""
+    n = values.shape[0]
+    kernel = functools.partial(_self_check_kernel, n=n, dtype=jnp.dtype(dtype))
+    spec = pl.BlockSpec((n,), lambda i: (0,))
+    enc, nat = pl.pallas_call(
+        kernel, grid=(1,), in_specs=[spec], out_specs=[spec, spec],
+        out_shape=[jax.ShapeDtypeStruct((n,), jnp.uint8), jax.ShapeDtypeStruct((n,), dtype)],
+        interpret=interpret, name="k3pallas_fp8_cast_self_check")(values)
+    return enc, lax.bitcast_convert_type(nat, jnp.uint8)
 
 
 def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activation, quant, mode):

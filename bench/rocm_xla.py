@@ -1,0 +1,227 @@
+"""The XLA-ROCm side of the ROCm compile gate: runs inside the environment of ``bench.rocm_env``.
+
+One process per arch (``python -m bench.rocm_xla ARCH CASES.json OUT.json``, started by
+``bench.rocm_check`` with ``bench.rocm_env.worker_environ``): it builds the deviceless topology
+from XLA's target config for that arch, compiles every case with ``jax.jit(...).lower().compile()``
+through XLA's ROCm backend (XLA's own Triton, its pass pipeline, LLVM AMDGPU: what a MI300X /
+MI355X user's jax does), and reads what came out:
+
+* the HSACO XLA writes for every kernel (``TF_XLA_HSACO_CACHE_DIR``): VGPR / SGPR / AGPR / spills
+  / scratch from its AMDGPU metadata (``llvm-readobj --notes``), instructions from the
+  disassembly (``llvm-objdump``; LLVM 19 cannot decode gfx950, which is decoded as gfx942: the
+  register counts come from the metadata and are exact, instruction names may not all be);
+* the launch (threads, shared memory) from XLA's thunk sequence (``--xla_dump_to``);
+* for the whole programs, the optimized HLO: every kernel launch and custom call, and what the FP8
+  dot became. Deviceless there is no autotuning: XLA takes its default GEMM choice.
+
+XLA compiles a kernel once per process: a case whose kernel it has already compiled writes no new
+HSACO, and takes the one of the earlier case with the same Triton IR.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+_CVT = re.compile(r"\b(v_cvt\w*(?:fp8|bf8)\w*)")
+LDS_PER_CU = {"gfx942": 65536, "gfx950": 163840}
+
+
+def occupancy(arch, vgpr, agpr, sgpr, lds, waves_per_group) -> int:
+    """Waves per SIMD that fit (CDNA3/4: 512 unified VGPR+AGPR per lane in granules of 8, 800
+    SGPRs in granules of 16, at most 8 waves; LDS per CU shared by the groups). Equal to the
+    ``; Occupancy`` that Triton 3.9 prints for all 132 kernels of the pip-triton gate."""
+    up = lambda x, g: -(-max(int(x), 1) // g) * g  # noqa: E731
+    waves = min(8, 512 // up(up(vgpr, 4) + (agpr or 0), 8), 800 // up(sgpr, 16))
+    if lds:
+        waves = min(waves, (LDS_PER_CU[arch] // lds) * waves_per_group // 4)
+    return waves
+
+
+def read_hsaco(path, arch, tools) -> list[dict]:
+    notes = subprocess.run([tools["llvm-readobj-19"], "--notes", path], capture_output=True,
+                           text=True, check=True).stdout
+    kernels = []
+    for block in notes.split("\n  - ")[1:]:
+        def field(name, block=block):
+            m = re.search(rf"^\s*\.{name}:\s+(\S+)", block, re.M)
+            return m.group(1) if m else None
+
+        kernels.append({"kernel": field("name"), "vgpr": int(field("vgpr_count")),
+                        "sgpr": int(field("sgpr_count")), "agpr": int(field("agpr_count") or 0),
+                        "vgpr_spill": int(field("vgpr_spill_count") or 0),
+                        "sgpr_spill": int(field("sgpr_spill_count") or 0),
+                        "scratch": int(field("private_segment_fixed_size") or 0),
+                        "static_lds": int(field("group_segment_fixed_size") or 0)})
+    dis = subprocess.run([tools["llvm-objdump-19"], "-d", "--mcpu=gfx942", path],
+                         capture_output=True, text=True, check=True).stdout
+    for k in kernels:
+        body = dis.split(f"<{k['kernel']}>:", 1)[-1]
+        code = []
+        for line in body.splitlines()[1:]:
+            if not line.startswith("\t"):
+                if line.strip().endswith(">:"):
+                    break
+                continue
+            code.append(line.strip().split()[0])
+        last = max((i for i, op in enumerate(code) if op == "s_endpgm"), default=len(code) - 1)
+        code = code[: last + 1]  # the padding after the last s_endpgm is not code
+        cvt = [op for op in code if _CVT.match(op)]
+        k.update(instructions=len(code), valu=sum(op.startswith("v_") for op in code),
+                 fp8_cvt=sorted(set(cvt)), fp8_cvt_count=len(cvt))
+    return kernels
+
+
+_THUNK = re.compile(r"kCustomKernel.*? (\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+) bytes")
+
+
+def _newest_thunks(dump_dir, seen):
+    files = [f for f in glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt")) if f not in seen]
+    launches = {}
+    for f in files:
+        seen.add(f)
+        with open(f) as fh:
+            for m in _THUNK.finditer(fh.read()):
+                launches[m.group(1)] = {"grid": [int(m.group(i)) for i in (2, 3, 4)],
+                                        "threads": int(m.group(5)), "lds": int(m.group(8))}
+    return launches
+
+
+class Compiler:
+    def __init__(self, arch, env):
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from k3pallas import _compat, platform
+
+        self.arch, self.env = arch, env
+        with open(env["targets"][arch]) as fh:
+            self.topology = _compat.rocm_deviceless_topology(fh.read(), arch, env["devices"][arch])
+        from jax.experimental import topologies
+
+        mesh = topologies.make_mesh(self.topology, (1,), ("x",))
+        self.sharding = NamedSharding(mesh, PartitionSpec())
+        self.target = platform.target_for(arch, "rocm")
+        self.hsaco_dir = os.environ["TF_XLA_HSACO_CACHE_DIR"]
+        self.dump_dir = os.environ["K3PALLAS_XLA_DUMP"]
+        self.seen_hsaco, self.seen_dumps, self.by_ir = set(), set(), {}
+        self.jax = jax
+
+    def structs(self, args):
+        return [self.jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding) for a in args]
+
+    def compile(self, fn, args):
+        """(compiled, lowered, new kernels {name: resources}, launches {name: launch})."""
+        from k3pallas import _compat, platform
+
+        with platform.compiling_for(self.target), self.jax.sharding.use_abstract_mesh(
+                _compat.abstract_mesh(self.arch, "rocm")):
+            lowered = self.jax.jit(fn).trace(*self.structs(args)).lower()
+            compiled = lowered.compile()
+        new = sorted(set(glob.glob(os.path.join(self.hsaco_dir, "*.hsaco"))) - self.seen_hsaco)
+        self.seen_hsaco.update(new)
+        kernels = {}
+        for path in new:
+            for k in read_hsaco(path, self.arch, self.env["llvm"]):
+                kernels[k["kernel"]] = k
+        return compiled, lowered, kernels, _newest_thunks(self.dump_dir, self.seen_dumps)
+
+    def kernel_case(self, case, fn, args) -> list[dict]:
+        from k3pallas import _compat
+
+        t0 = time.time()
+        try:
+            compiled, lowered, kernels, launches = self.compile(fn, args)
+        except Exception as e:  # noqa: BLE001 - a compile error is the gate's finding
+            return [{**case, "error": f"{type(e).__name__}: {str(e)[:300]}"}]
+        seconds = round(time.time() - t0, 2)
+        rows = []
+        for mod in _compat.triton_ir_modules(lowered):
+            key = hashlib.sha256(mod["ir"].encode()).hexdigest()
+            res = kernels.get(mod["name"]) or self.by_ir.get(key)
+            if res is None:
+                rows.append({**case, "kernel": mod["name"], "error": "no HSACO found for the kernel"})
+                continue
+            self.by_ir[key] = res
+            launch = launches.get(mod["name"], {})
+            threads = launch.get("threads", mod["num_warps"] * 64)
+            lds = launch.get("lds")
+            rows.append({**case, **res, "num_warps": threads // 64, "num_stages": mod["num_stages"],
+                         "grid": list(mod["grid"]), "lds": lds, "compile_s": seconds,
+                         "occupancy": occupancy(self.arch, res["vgpr"], res["agpr"], res["sgpr"],
+                                                max(lds or 0, res["static_lds"]), threads // 64)})
+        return rows
+
+    def program(self, name, fn, args) -> dict:
+        t0 = time.time()
+        compiled, _, kernels, launches = self.compile(fn, args)
+        hlo = compiled.as_text()
+        calls = []
+        for line in hlo.splitlines():
+            m = re.search(r'custom_call_target="([^"]+)"', line)
+            if m:
+                n = re.search(r'name = "([^"]+)"', line) or re.search(r"^\s*(?:ROOT )?%?([\w.\-]+) =", line)
+                calls.append({"target": m.group(1), "name": n.group(1) if n else "?"})
+        fusions = re.findall(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*? fusion\(.*?kind=(\w+).*?calls=%?([\w.\-]+)",
+                             hlo, re.M)
+        dots = [ln.strip()[:200] for ln in hlo.splitlines() if re.search(r"\bdot\(|__triton_nested_gemm|gemm", ln)
+                and "f8" in ln]
+        return {"arch": self.arch, "program": name, "compile_s": round(time.time() - t0, 2),
+                "launches": [{"kernel": k, **v, "ours": k.startswith("k3pallas_"),
+                              **({kk: kernels[k][kk] for kk in ("vgpr", "sgpr", "instructions", "fp8_cvt")}
+                                 if k in kernels else {})}
+                             for k, v in launches.items()],
+                "custom_calls": calls, "fusions": [{"name": a, "kind": b} for a, b, _ in fusions],
+                "fp8_dot_lines": dots[:6], "hlo_lines": len(hlo.splitlines())}
+
+
+def smoke():
+    """Compile one small jnp function for gfx942 (``bench.rocm_env``'s check)."""
+    import tempfile
+
+    import jax.numpy as jnp
+
+    from bench import rocm_env
+
+    env = rocm_env.load()
+    with tempfile.TemporaryDirectory() as d:
+        os.environ.setdefault("TF_XLA_HSACO_CACHE_DIR", d)
+        os.environ.setdefault("K3PALLAS_XLA_DUMP", d)
+        c = Compiler("gfx942", env)
+        import jax
+
+        jax.jit(lambda x: x * 2 + 1).trace(*c.structs([jax.ShapeDtypeStruct((1024,), jnp.float32)])).lower().compile()
+    print("ok")
+
+
+def main(arch, cases_path, out_path):
+    from bench import rocm_check, rocm_env
+
+    env = rocm_env.load()
+    comp = Compiler(arch, env)
+    with open(cases_path) as fh:
+        cases = json.load(fh)
+    out = {"kernels": [], "programs": []}
+    for case in cases:
+        if case.get("program"):
+            fn, args = rocm_check.program_fn(case["program"], case["tokens"], comp.target)
+            try:
+                out["programs"].append({**comp.program(case["program"], fn, args), "tokens": case["tokens"]})
+            except Exception as e:  # noqa: BLE001
+                out["programs"].append({"arch": arch, "program": case["program"],
+                                        "tokens": case["tokens"], "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
+        fn, args = rocm_check.case_fn(case)
+        out["kernels"] += comp.kernel_case({**case, "arch": arch}, fn, args)
+    with open(out_path, "w") as fh:
+        json.dump(out, fh)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,200 @@
+"""Which float32 -> FP8 conversion the kernels use: the hardware's, or the integer encoder.
+
+Two paths give the same codes by construction:
+
+* the **encoder** (``k3pallas.fp8.encode_fp8``): integer arithmetic on the float32 bits, bit-exact
+  with XLA's cast, runs everywhere; about 16 VALU instructions per value on AMD gfx942;
+* the **native** conversion (``kernels.gated_fp8.native_codes``): the Triton lowering's own cast,
+  one hardware instruction per two values where the target has it: NVIDIA sm_89+ (e4m3fn, e5m2),
+  AMD gfx94x (e4m3fnuz: ``v_cvt_pk_fp8_f32``; the lowering refuses this cast, and
+  ``k3pallas._compat.enable_native_fnuz_cast`` lifts that for k3pallas kernels only) and AMD
+  gfx950 (e4m3fn: ``v_cvt_scalef32_pk_fp8_f32``).
+
+The native path is used only where it was seen to agree with the encoder **on the device itself**:
+the first time an FP8 kernel is built for a GPU, ``self_check`` converts a fixed set of values
+with both paths in one small kernel on that device and compares the bytes: every code's value,
+every midpoint between neighbouring codes and the float32 values just beside it, both signs,
+subnormals, values that round to zero, +-0, NaN, and the clamp bounds (``check_values``). If they
+agree the native path is used; otherwise a warning names the values that differ and the encoder
+is used. The decision is cached per (backend, arch, format) for the process.
+
+The choice (``fp8_cast=`` on the FP8 functions, else the environment variable
+``K3PALLAS_FP8_CAST``, else ``"auto"``):
+
+* ``"auto"``: native where the target has it and the self-check passed on the attached device,
+  else the encoder (also when no device of the target is attached: ahead-of-time compilation);
+* ``"native"``: native, after the self-check; RuntimeError where the target has no native
+  conversion for the format, where no device of it is attached, or where the check failed;
+* ``"encoder"``: always the encoder;
+* ``"native_unchecked"``: native without a check, for ahead-of-time compilation only (the ROCm
+  compile gate compiles both paths with no GPU attached); never the right choice at run time.
+
+In interpret mode (``impl="interpret"``) the "device" is XLA on the host and the self-check runs
+in interpret mode: that is how the CPU tests exercise this logic.
+``decisions()`` lists what was decided and why; ``python -m bench`` records it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3pallas import _compat
+from k3pallas import fp8 as fp8_lib
+from k3pallas import platform
+
+MODES = ("auto", "native", "encoder", "native_unchecked")
+ENV_VAR = "K3PALLAS_FP8_CAST"
+
+
+@dataclasses.dataclass(frozen=True)
+class CastDecision:
+    native: bool
+    mode: str  # what was asked for
+    target: str  # "rocm gfx942", "cuda sm_90", "interpret", ...
+    dtype: str
+    reason: str
+    mismatches: tuple = ()  # (value, encoder code, native code) where the self-check disagreed
+
+
+_DECISIONS: dict = {}
+
+
+def decisions() -> list[CastDecision]:
+    """Every decision taken in this process (one per target and format), oldest first."""
+    return list(_DECISIONS.values())
+
+
+def resolve_mode(fp8_cast) -> str:
+    """``fp8_cast``, else ``$K3PALLAS_FP8_CAST``, else "auto"; ValueError for anything else."""
+    if fp8_cast is None:
+        fp8_cast = os.environ.get(ENV_VAR, "").strip() or "auto"
+        if fp8_cast not in MODES:
+            raise ValueError(f"environment variable {ENV_VAR}={fp8_cast!r}: expected one of {MODES}")
+    if not isinstance(fp8_cast, str) or fp8_cast not in MODES:
+        raise ValueError(f"fp8_cast must be one of {MODES} (or None: ${ENV_VAR}, else 'auto'); "
+                         f"got {fp8_cast!r}")
+    return fp8_cast
+
+
+def native_unavailable(target: platform.Target, dtype) -> str | None:
+    """None if the target's lowering has a native conversion to ``dtype``, else the reason."""
+    dtype = jnp.dtype(dtype)
+    fn, fnuz = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e4m3fnuz)
+    if target.backend == "cuda":
+        if dtype == fnuz:
+            return "NVIDIA GPUs have no e4m3fnuz conversion"
+        m = re.fullmatch(r"sm_(\d+)", target.arch)
+        if m and int(m.group(1)) < 89:
+            return f"{target.arch} has no FP8 conversion instructions (sm_89 and later do)"
+        return None
+    if target.backend == "rocm":
+        if target.arch.startswith("gfx94"):
+            if dtype != fnuz:
+                return f"{target.arch} converts natively only to e4m3fnuz (Triton emulates {dtype.name})"
+            return _compat.native_fnuz_cast_unavailable()
+        if target.arch.startswith("gfx95"):
+            if dtype != fn:
+                return f"{target.arch} is used with e4m3fn only here ({dtype.name}: encoder)"
+            return None
+        return f"no native FP8 conversion known for {target.arch}"
+    return f"no GPU target ({target.backend})"
+
+
+def check_values(dtype) -> np.ndarray:
+    """The self-check's float32 inputs for ``dtype``, padded to a power of two with zeros."""
+    fmt = fp8_lib.fp8_format(dtype)
+    codes = np.arange(256, dtype=np.uint8).view(fmt.dtype).astype(np.float32)
+    finite = np.unique(np.abs(codes[np.isfinite(codes)]))  # every code's magnitude, ascending
+    mids = (finite[:-1].astype(np.float64) + finite[1:]) / 2
+    mids = mids.astype(np.float32)
+    around = [np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(0))]
+    tiny = finite[1] / 2  # half the smallest subnormal: rounds to zero (a tie, to even)
+    small = np.array([tiny, np.nextafter(tiny, np.float32(0)), tiny / 8, 1e-30, 1.4e-45,
+                      np.nextafter(tiny, np.float32(1))], np.float32)
+    bounds = np.array([fmt.max_finite, fmt.default_max, fp8_lib.FP8_E4M3FNUZ_MAX_AITER,
+                       np.nextafter(np.float32(fmt.max_finite), np.float32(0)),
+                       np.nextafter(np.float32(fmt.max_finite), np.float32(np.inf))], np.float32)
+    bounds = bounds[bounds <= np.nextafter(np.float32(fmt.max_finite), np.float32(np.inf))]
+    mags = np.concatenate([finite, mids, *around, small, bounds]).astype(np.float32)
+    vals = np.concatenate([mags, -mags, np.array([0.0, -0.0, np.nan, -np.nan], np.float32)])
+    n = 1 << int(np.ceil(np.log2(len(vals))))
+    return np.concatenate([vals, np.zeros(n - len(vals), np.float32)])
+
+
+def self_check(dtype, *, interpret: bool) -> tuple:
+    """Run the check kernel on the default device (or in interpret mode); the mismatches as
+    ``((value, encoder code, native code), ...)``, empty when both paths agree bit for bit."""
+    from k3pallas.kernels import gated_fp8
+
+    values = check_values(dtype)
+    if not interpret and jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fnuz):
+        _compat.enable_native_fnuz_cast()
+    # Compiled ahead and called with a concrete array: it runs now, also while an outer function
+    # is being traced (the first FP8 kernel of a jitted program decides inside its trace).
+    run = jax.jit(lambda v: gated_fp8.self_check_codes(v, dtype, interpret=interpret))
+    enc, nat = run.lower(jax.ShapeDtypeStruct(values.shape, values.dtype)).compile()(values)
+    enc, nat = np.asarray(enc), np.asarray(nat)
+    # NaN in, NaN out: any NaN code of the format counts as the same (XLA's CPU cast, for one,
+    # writes e5m2 NaN as 0x7f for either sign where the encoder keeps the sign, 0x7e / 0xfe).
+    as_fp8 = lambda c: c.view(jnp.dtype(dtype)).astype(np.float32)  # noqa: E731
+    bad = np.nonzero((enc != nat) & ~(np.isnan(as_fp8(enc)) & np.isnan(as_fp8(nat))))[0]
+    return tuple((float(values[i]), int(enc[i]), int(nat[i])) for i in bad)
+
+
+def _attached(target: platform.Target) -> bool:
+    """Whether jax's default device is a device of ``target`` (so a check can run there)."""
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return False
+    here = platform.target_for(device.device_kind, platform.device_platform(device),
+                               getattr(device, "compute_capability", None))
+    return here.backend == target.backend and here.arch == target.arch
+
+
+def decide(dtype, fp8_cast=None, *, interpret: bool = False, target=None) -> CastDecision:
+    """The conversion path for ``dtype`` on ``target`` (default: ``platform.current_target()``)."""
+    mode = resolve_mode(fp8_cast)
+    dtype = jnp.dtype(dtype)
+    target = platform.current_target() if target is None else target
+    where = "interpret" if interpret else f"{target.backend} {target.arch}"
+    if mode == "encoder":
+        return CastDecision(False, mode, where, dtype.name, "asked for the encoder")
+    reason = None if interpret else native_unavailable(target, dtype)
+    if reason:
+        if mode == "auto":
+            return CastDecision(False, mode, where, dtype.name, reason)
+        raise RuntimeError(f"fp8_cast={mode!r}: {reason}")
+    if mode == "native_unchecked":
+        return CastDecision(True, mode, where, dtype.name, "native without a self-check (ahead of time)")
+    if not interpret and not _attached(target):
+        reason = (f"no {target.arch} device attached to run the self-check on "
+                  "(ahead-of-time compilation)")
+        if mode == "auto":
+            return CastDecision(False, mode, where, dtype.name, reason)
+        raise RuntimeError(f"fp8_cast='native': {reason}; use 'native_unchecked' to compile the "
+                           "native path without a check")
+    key = (where, dtype.name)
+    checked = _DECISIONS.get(key)
+    if checked is None:
+        bad = self_check(dtype, interpret=interpret)
+        if bad:
+            shown = ", ".join(f"{v!r}: encoder 0x{e:02x} native 0x{n:02x}" for v, e, n in bad[:6])
+            reason = (f"self-check on {where}: the native {dtype.name} conversion differs from the "
+                      f"encoder on {len(bad)} of {len(check_values(dtype))} values ({shown})")
+            warnings.warn(f"k3pallas: {reason}; using the encoder", RuntimeWarning, stacklevel=3)
+        else:
+            reason = (f"self-check on {where}: native and encoder agree on all "
+                      f"{len(check_values(dtype))} values")
+        checked = CastDecision(not bad, "auto", where, dtype.name, reason, bad)
+        _DECISIONS[key] = checked
+    if mode == "native" and not checked.native:
+        raise RuntimeError(f"fp8_cast='native': {checked.reason}")
+    return dataclasses.replace(checked, mode=mode)
