@@ -342,7 +342,7 @@ def markdown(results, meta, programs=(), other=None) -> str:
         lines += ["", "## Whole programs: the Kimi-K3 blocks as XLA's ROCm backend compiles them", "",
                   "Deviceless there is no autotuning: XLA takes its default choice for the GEMMs "
                   "(on a MI300X / MI355X with a device it may autotune to another).", "",
-                  "| arch | program | T | kernel launches (ours **bold**) | custom calls | FP8 dot becomes |",
+                  "| arch | program | T | kernel launches (ours **bold**) | custom calls | the GEMMs become |",
                   "|---|---|---|---|---|---|"]
         for pr in programs:
             if "error" in pr:
@@ -351,20 +351,22 @@ def markdown(results, meta, programs=(), other=None) -> str:
             ks = ", ".join((f"**{k['kernel']}**" if k["ours"] else k["kernel"]) for k in pr["launches"])
             cc = ", ".join(sorted({c["target"] for c in pr["custom_calls"]})) or "-"
             lines.append(f"| {pr['arch']} | {pr['program']} | {pr['tokens']} | {ks} | {cc} | "
-                         f"{fp8_dot_summary(pr)} |")
+                         f"{gemm_summary(pr)} |")
     return "\n".join(lines)
 
 
-def fp8_dot_summary(pr) -> str:
-    if pr["program"] == "mla_front":
-        return "- (bf16 GEMMs)"
-    gemm = [k["kernel"] for k in pr["launches"] if "gemm" in k["kernel"] or "dot" in k["kernel"]]
-    blas = [c["target"] for c in pr["custom_calls"] if "blas" in c["target"].lower()]
-    if blas:
-        return f"custom call {', '.join(sorted(set(blas)))}"
-    if gemm:
-        return "XLA Triton GEMM kernel " + ", ".join(gemm)
-    return "other (see JSON)"
+def gemm_summary(pr) -> str:
+    """What XLA made of the program's GEMMs: vendor-library calls, or its own kernels with their
+    matrix-core (MFMA) instructions, FMA count and FP8 conversions."""
+    blas = sorted({c["target"] for c in pr["custom_calls"] if "blas" in c["target"].lower()})
+    parts = [f"library call {', '.join(blas)}"] if blas else []
+    for k in pr["launches"]:
+        if k["ours"] or not ("gemm" in k["kernel"] or "dot" in k["kernel"]):
+            continue
+        mm = ", ".join(k.get("mfma") or []) or f"no MFMA ({k.get('fma', '?')} f32 FMAs)"
+        cvt = ", ".join(k.get("fp8_cvt") or [])
+        parts.append(f"{k['kernel']}: {mm}" + (f"; fp8 -> f32 by {cvt}" if cvt else ""))
+    return "; ".join(parts) or "-"
 
 
 def run_xla(all_cases, programs, log, env_dir=None) -> tuple[list, list, dict]:

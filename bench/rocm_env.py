@@ -18,8 +18,9 @@ or ``$K3PALLAS_ROCM_ENV``, or ``--dir``):
 3. ``targets/<arch>.txtpb``: the ``stream_executor.GpuTargetConfigProto`` that XLA ships for MI300X
    (gfx942) and MI350X (gfx950), read out of the installed plugin binary (not copied into this
    repository): the deviceless topology is built from it.
-4. ``llvm-readobj-19`` / ``llvm-objdump-19`` (Debian ``llvm-19``, installed with apt-get when run
-   as root) to read the HSACO that XLA writes.
+4. ``llvm-readobj-22`` / ``llvm-objdump-22`` (Debian's ``llvm-22``, installed with apt-get when
+   run as root) to read the HSACO that XLA writes. LLVM 22, not 19: LLVM 19 cannot decode gfx950
+   code (its FP8 conversions come out as ``.long`` words).
 
 The result is ``env.json`` in that folder; ``bench.rocm_check`` reads it. A missing piece (no
 gcc, no network for pip, no Python 3.12, a plugin without the expected target configs) ends the
@@ -37,14 +38,14 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 
 JAX_VERSION = "0.12.0"
 PACKAGES = [f"jax=={JAX_VERSION}", f"jaxlib=={JAX_VERSION}", f"jax-rocm7-pjrt=={JAX_VERSION}",
             f"jax-rocm7-plugin=={JAX_VERSION}", "numpy"]
 ARCH_DEVICES = {"gfx942": "MI300X", "gfx950": "MI350X"}  # the device the plugin's config names
-LLVM_TOOLS = ("llvm-readobj-19", "llvm-objdump-19")
-ENV_FORMAT = 1
+LLVM_PACKAGE = "llvm-22"
+LLVM_TOOLS = {"readobj": "llvm-readobj-22", "objdump": "llvm-objdump-22"}
+ENV_FORMAT = 2
 
 # Stub functions that must answer sensibly for the plugin to start without a GPU.
 _STUB_BODIES = {
@@ -234,18 +235,18 @@ def extract_targets(plugin_so, out_dir) -> dict:
 
 
 def llvm_tools(install: bool) -> dict:
-    tools = {t: shutil.which(t) for t in LLVM_TOOLS}
+    tools = {k: shutil.which(t) for k, t in LLVM_TOOLS.items()}
     if all(tools.values()):
         return tools
     if install and os.geteuid() == 0 and shutil.which("apt-get"):
         subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "llvm-19"], capture_output=True,
+        subprocess.run(["apt-get", "install", "-y", "-qq", LLVM_PACKAGE], capture_output=True,
                        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-        tools = {t: shutil.which(t) for t in LLVM_TOOLS}
-    missing = [t for t, p in tools.items() if not p]
+        tools = {k: shutil.which(t) for k, t in LLVM_TOOLS.items()}
+    missing = [LLVM_TOOLS[k] for k, p in tools.items() if not p]
     if missing:
-        raise SetupError(f"{', '.join(missing)} not found: install Debian's llvm-19 "
-                         "(apt-get install llvm-19) to read the HSACO")
+        raise SetupError(f"{', '.join(missing)} not found: install Debian's {LLVM_PACKAGE} "
+                         f"(apt-get install {LLVM_PACKAGE}) to read the HSACO")
     return tools
 
 
@@ -295,9 +296,13 @@ def ensure(root=None, python=None, install_llvm=True, log=print) -> dict:
     env = {"format": ENV_FORMAT, "jax": JAX_VERSION, "path": path, "python": py,
            "stubs": os.path.join(root, "stubs"), "targets": targets,
            "devices": ARCH_DEVICES, "llvm": llvm_tools(install_llvm)}
-    smoke_test(env)
     with open(path, "w") as fh:
         json.dump(env, fh, indent=1)
+    try:
+        smoke_test(env)
+    except SetupError:
+        os.remove(path)
+        raise
     log(f"  ok: {path}")
     return env
 

@@ -8,8 +8,7 @@ MI355X user's jax does), and reads what came out:
 
 * the HSACO XLA writes for every kernel (``TF_XLA_HSACO_CACHE_DIR``): VGPR / SGPR / AGPR / spills
   / scratch from its AMDGPU metadata (``llvm-readobj --notes``), instructions from the
-  disassembly (``llvm-objdump``; LLVM 19 cannot decode gfx950, which is decoded as gfx942: the
-  register counts come from the metadata and are exact, instruction names may not all be);
+  disassembly (``llvm-objdump --mcpu=<arch>``, LLVM 22);
 * the launch (threads, shared memory) from XLA's thunk sequence (``--xla_dump_to``);
 * for the whole programs, the optimized HLO: every kernel launch and custom call, and what the FP8
   dot became. Deviceless there is no autotuning: XLA takes its default GEMM choice.
@@ -40,17 +39,27 @@ def occupancy(arch, vgpr, agpr, sgpr, lds, waves_per_group) -> int:
     up = lambda x, g: -(-max(int(x), 1) // g) * g  # noqa: E731
     waves = min(8, 512 // up(up(vgpr, 4) + (agpr or 0), 8), 800 // up(sgpr, 16))
     if lds:
-        waves = min(waves, (LDS_PER_CU[arch] // lds) * waves_per_group // 4)
+        waves = min(waves, max(1, (LDS_PER_CU[arch] // lds) * waves_per_group // 4))
     return waves
 
 
 def read_hsaco(path, arch, tools) -> list[dict]:
-    notes = subprocess.run([tools["llvm-readobj-19"], "--notes", path], capture_output=True,
-                           text=True, check=True).stdout
+    notes = subprocess.run([tools["readobj"], "--notes", path], capture_output=True, text=True,
+                           check=True).stdout
+    dis = subprocess.run([tools["objdump"], "-d", f"--mcpu={arch}", path], capture_output=True,
+                         text=True, check=True).stdout
+    return [{**k, **parse_code(dis, k["kernel"])} for k in parse_notes(notes)]
+
+
+def parse_notes(notes: str) -> list[dict]:
+    """The kernels' resources from ``llvm-readobj --notes`` (the AMDGPU metadata YAML)."""
     kernels = []
-    for block in notes.split("\n  - ")[1:]:
+    listing = notes.split("amdhsa.kernels:", 1)[-1].split("amdhsa.target:", 1)[0]
+    for block in re.split(r"\n  - (?=\.)", listing)[1:]:
+        block = "    " + block  # the kernel's own fields, four spaces in (its args are deeper)
+
         def field(name, block=block):
-            m = re.search(rf"^\s*\.{name}:\s+(\S+)", block, re.M)
+            m = re.search(rf"^    \.{name}:\s+(\S+)", block, re.M)
             return m.group(1) if m else None
 
         kernels.append({"kernel": field("name"), "vgpr": int(field("vgpr_count")),
@@ -59,23 +68,27 @@ def read_hsaco(path, arch, tools) -> list[dict]:
                         "sgpr_spill": int(field("sgpr_spill_count") or 0),
                         "scratch": int(field("private_segment_fixed_size") or 0),
                         "static_lds": int(field("group_segment_fixed_size") or 0)})
-    dis = subprocess.run([tools["llvm-objdump-19"], "-d", "--mcpu=gfx942", path],
-                         capture_output=True, text=True, check=True).stdout
-    for k in kernels:
-        body = dis.split(f"<{k['kernel']}>:", 1)[-1]
-        code = []
-        for line in body.splitlines()[1:]:
-            if not line.startswith("\t"):
-                if line.strip().endswith(">:"):
-                    break
-                continue
-            code.append(line.strip().split()[0])
-        last = max((i for i, op in enumerate(code) if op == "s_endpgm"), default=len(code) - 1)
-        code = code[: last + 1]  # the padding after the last s_endpgm is not code
-        cvt = [op for op in code if _CVT.match(op)]
-        k.update(instructions=len(code), valu=sum(op.startswith("v_") for op in code),
-                 fp8_cvt=sorted(set(cvt)), fp8_cvt_count=len(cvt))
     return kernels
+
+
+def parse_code(dis: str, kernel: str) -> dict:
+    """Instruction counts of ``kernel`` in an ``llvm-objdump -d`` listing, up to its last
+    ``s_endpgm`` (the ``s_nop`` padding after it is not code)."""
+    code = []
+    for line in dis.split(f"<{kernel}>:", 1)[-1].splitlines()[1:]:
+        if not line.startswith("\t"):
+            if line.strip().endswith(">:"):
+                break
+            continue
+        code.append(line.strip().split()[0])
+    last = max((i for i, op in enumerate(code) if op == "s_endpgm"), default=len(code) - 1)
+    code = code[: last + 1]
+    cvt = [op for op in code if _CVT.match(op)]
+    return {"instructions": len(code), "valu": sum(op.startswith("v_") for op in code),
+            "fp8_cvt": sorted(set(cvt)), "fp8_cvt_count": len(cvt),
+            "undecoded": sum(op.startswith(".") for op in code),
+            "mfma": sorted({op for op in code if op.startswith(("v_mfma", "v_smfmac"))}),
+            "fma": sum(op.startswith(("v_fma", "v_fmac", "v_pk_fma")) for op in code)}
 
 
 _THUNK = re.compile(r"kCustomKernel.*? (\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+) bytes")
@@ -114,7 +127,8 @@ class Compiler:
         self.jax = jax
 
     def structs(self, args):
-        return [self.jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding) for a in args]
+        return self.jax.tree.map(
+            lambda a: self.jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding), args)
 
     def compile(self, fn, args):
         """(compiled, lowered, new kernels {name: resources}, launches {name: launch})."""
@@ -139,6 +153,8 @@ class Compiler:
         try:
             compiled, lowered, kernels, launches = self.compile(fn, args)
         except Exception as e:  # noqa: BLE001 - a compile error is the gate's finding
+            if os.environ.get("K3PALLAS_ROCM_DEBUG"):
+                raise
             return [{**case, "error": f"{type(e).__name__}: {str(e)[:300]}"}]
         seconds = round(time.time() - t0, 2)
         rows = []
@@ -159,8 +175,14 @@ class Compiler:
         return rows
 
     def program(self, name, fn, args) -> dict:
+        from k3pallas import _compat
+
         t0 = time.time()
-        compiled, _, kernels, launches = self.compile(fn, args)
+        compiled, lowered, kernels, launches = self.compile(fn, args)
+        for mod in _compat.triton_ir_modules(lowered):  # ours, compiled before by a kernel case
+            key = hashlib.sha256(mod["ir"].encode()).hexdigest()
+            if mod["name"] not in kernels and key in self.by_ir:
+                kernels[mod["name"]] = self.by_ir[key]
         hlo = compiled.as_text()
         calls = []
         for line in hlo.splitlines():
@@ -174,7 +196,8 @@ class Compiler:
                 and "f8" in ln]
         return {"arch": self.arch, "program": name, "compile_s": round(time.time() - t0, 2),
                 "launches": [{"kernel": k, **v, "ours": k.startswith("k3pallas_"),
-                              **({kk: kernels[k][kk] for kk in ("vgpr", "sgpr", "instructions", "fp8_cvt")}
+                              **({kk: kernels[k][kk] for kk in ("vgpr", "sgpr", "instructions", "fp8_cvt",
+                                                                "fp8_cvt_count", "mfma", "fma")}
                                  if k in kernels else {})}
                              for k, v in launches.items()],
                 "custom_calls": calls, "fusions": [{"name": a, "kind": b} for a, b, _ in fusions],

@@ -29,8 +29,9 @@ The choice (``fp8_cast=`` on the FP8 functions, else the environment variable
 * ``"native_unchecked"``: native without a check, for ahead-of-time compilation only (the ROCm
   compile gate compiles both paths with no GPU attached); never the right choice at run time.
 
-In interpret mode (``impl="interpret"``) the "device" is XLA on the host and the self-check runs
-in interpret mode: that is how the CPU tests exercise this logic.
+In interpret mode (``impl="interpret"``) "auto" means the encoder (the path gfx942 takes until the
+native one is verified); "native" runs the self-check in interpret mode, with XLA's cast as the
+native conversion: that, and a simulated device, is how the CPU tests exercise this logic.
 ``decisions()`` lists what was decided and why; ``python -m bench`` records it.
 """
 
@@ -160,13 +161,26 @@ def _attached(target: platform.Target) -> bool:
 
 
 def decide(dtype, fp8_cast=None, *, interpret: bool = False, target=None) -> CastDecision:
-    """The conversion path for ``dtype`` on ``target`` (default: ``platform.current_target()``)."""
+    """The conversion path for ``dtype`` on ``target`` (default: ``platform.current_target()``).
+
+    A native e4m3fnuz decision for a GPU also enables that cast in the lowering
+    (``k3pallas._compat.enable_native_fnuz_cast``, for k3pallas kernels only)."""
+    decision = _decide(dtype, fp8_cast, interpret, target)
+    if decision.native and not interpret and jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fnuz):
+        _compat.enable_native_fnuz_cast()
+    return decision
+
+
+def _decide(dtype, fp8_cast, interpret, target) -> CastDecision:
     mode = resolve_mode(fp8_cast)
     dtype = jnp.dtype(dtype)
     target = platform.current_target() if target is None else target
     where = "interpret" if interpret else f"{target.backend} {target.arch}"
     if mode == "encoder":
         return CastDecision(False, mode, where, dtype.name, "asked for the encoder")
+    if interpret and mode == "auto":
+        return CastDecision(False, mode, where, dtype.name,
+                            "interpret mode: the encoder unless fp8_cast='native' is asked for")
     reason = None if interpret else native_unavailable(target, dtype)
     if reason:
         if mode == "auto":

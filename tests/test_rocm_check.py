@@ -66,3 +66,126 @@ def test_64bit_offsets_for_huge_arrays():
 
     assert "xi64>" in ir_for(2**21)
     assert "xi64>" not in ir_for(4096)
+
+
+# ---------------------------------------------------------------------------------------------
+# The XLA-ROCm path: HSACO parsing, occupancy, the environment's errors, the case list
+# ---------------------------------------------------------------------------------------------
+
+NOTES = """
+AMDGPU Metadata: ---
+amdhsa.kernels:
+  - .agpr_count:     4
+    .args:
+      - .address_space:  global
+        .name:           arg0
+        .offset:         0
+    .group_segment_fixed_size: 0
+    .max_flat_workgroup_size: 256
+    .name:           k3pallas_rmsnorm_gated_fp8
+    .private_segment_fixed_size: 16
+    .sgpr_count:     24
+    .sgpr_spill_count: 0
+    .vgpr_count:     76
+    .vgpr_spill_count: 3
+    .wavefront_size: 64
+amdhsa.target:   'amdgcn-amd-amdhsa--gfx942:sramecc+:xnack-'
+amdhsa.version:
+  - 1
+  - 2
+"""
+
+DISASSEMBLY = """
+0000000000001800 <k3pallas_rmsnorm_gated_fp8>:
+\ts_load_dwordx8 s[4:11], s[0:1], 0x0   // 000000001800: C00E0100
+\tv_cvt_pk_fp8_f32 v1, v2, v3            // 000000001808: D2A20001
+\tv_cvt_pk_fp8_f32 v4, v5, v6            // 000000001810: D2A20001
+\tv_fmac_f32_e32 v1, v2, v3              // 000000001818: 56020503
+\tv_mfma_f32_16x16x8_xf32 a[0:3], v[0:1], v[2:3], 0
+\ts_endpgm                               // 000000001820: BF810000
+\ts_nop 0
+\ts_nop 0
+"""
+
+
+def test_xla_hsaco_parsers():
+    from bench import rocm_xla
+
+    (k,) = rocm_xla.parse_notes(NOTES)
+    assert k == {"kernel": "k3pallas_rmsnorm_gated_fp8", "vgpr": 76, "sgpr": 24, "agpr": 4,
+                 "vgpr_spill": 3, "sgpr_spill": 0, "scratch": 16, "static_lds": 0}
+    c = rocm_xla.parse_code(DISASSEMBLY, "k3pallas_rmsnorm_gated_fp8")
+    assert (c["instructions"], c["valu"], c["fp8_cvt_count"], c["fma"]) == (6, 4, 2, 1)
+    assert c["fp8_cvt"] == ["v_cvt_pk_fp8_f32"] and c["mfma"] == ["v_mfma_f32_16x16x8_xf32"]
+    assert rocm_check.problems({**k, **c, "arch": "gfx942", "op": "rmsnorm_gated_fp8_per_token",
+                                "occupancy": 5}) == ["spills (3 VGPR, 0 SGPR)", "scratch 16 bytes"]
+
+
+def test_occupancy_formula():
+    from bench.rocm_xla import occupancy
+
+    assert occupancy("gfx942", 28, 0, 28, 16, 4) == 8
+    assert occupancy("gfx942", 81, 0, 30, 0, 1) == 5  # 88 of 512 VGPRs
+    assert occupancy("gfx942", 76, 0, 82, 512, 1) == 6  # 96 SGPRs: 800 // 96 = 8; VGPR 80 -> 6
+    assert occupancy("gfx942", 128, 128, 30, 0, 1) == 2
+    assert occupancy("gfx942", 512, 256, 80, 0, 1) == 0  # spilling kernels: nothing fits
+    assert occupancy("gfx942", 24, 0, 20, 32768, 16) == 8  # 2 groups of 16 waves per CU
+    assert occupancy("gfx942", 24, 0, 20, 49152, 4) == 1  # one group of 4 waves per CU
+    assert occupancy("gfx950", 24, 0, 20, 49152, 4) == 3  # 160 KiB of LDS on gfx950
+
+
+def test_rocm_env_errors_are_one_line(monkeypatch, tmp_path, capsys):
+    from bench import rocm_env
+
+    with pytest.raises(rocm_env.SetupError, match="needs Python >= 3.12; none found"):
+        rocm_env._find_python(str(tmp_path / "no-python"))
+    monkeypatch.setattr(rocm_env.shutil, "which", lambda name: None)
+    with pytest.raises(rocm_env.SetupError, match="gcc not found"):
+        rocm_env.build_stubs([], str(tmp_path / "stubs"))
+    with pytest.raises(rocm_env.SetupError, match="llvm-readobj-22, llvm-objdump-22 not found"):
+        rocm_env.llvm_tools(install=False)
+
+    def broken(*a, **k):
+        raise rocm_env.SetupError("pip install of jax==0.12.0 failed (network?)")
+
+    monkeypatch.setattr(rocm_env, "ensure", broken)
+    assert rocm_env.main(["--dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["rocm-xla env: pip install of jax==0.12.0 failed (network?)"]
+    monkeypatch.setattr(rocm_env, "ensure", broken)
+    assert rocm_check.main(["--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("rocm_check: pip install")
+
+
+def test_target_configs_are_read_from_the_plugin_binary(tmp_path):
+    from bench import rocm_env
+
+    def proto(arch, name):
+        return (f"# proto-file: x.proto\n# proto-message: stream_executor.GpuTargetConfigProto\n"
+                f'gpu_device_info {{ core_count: 304 }}\ndevice_description_str: "{name}"\n'
+                f'rocm_compute_capability {{ gcn_arch_name: "{arch}:sramecc+:xnack-" }}\n').encode()
+
+    blob = b"\x00junk\x00" + proto("gfx90a", "MI250") + b"\x00" + proto("gfx942", "MI300X") + \
+        b"\x00" + proto("gfx950", "MI350X") + b"\x00tail"
+    so = tmp_path / "xla_rocm_plugin.so"
+    so.write_bytes(blob)
+    paths = rocm_env.extract_targets(str(so), str(tmp_path / "targets"))
+    assert sorted(paths) == ["gfx942", "gfx950"]
+    assert 'device_description_str: "MI300X"' in open(paths["gfx942"]).read()
+    so.write_bytes(proto("gfx942", "MI300X"))
+    with pytest.raises(rocm_env.SetupError, match=r"no GpuTargetConfigProto for \['gfx950'\]"):
+        rocm_env.extract_targets(str(so), str(tmp_path / "t2"))
+
+
+def test_gate_cases():
+    cases = rocm_check.cases((1, 4096), None)
+    fp8 = [c for c in cases if c["op"] in rocm_check.FP8_OPS]
+    assert fp8 and {c["fp8_cast"] for c in fp8} == {"encoder", "native"}
+    assert all("fp8_cast" not in c for c in cases if c["op"] not in rocm_check.FP8_OPS)
+    assert rocm_check.BROKEN not in cases
+    ops = {c["op"] for c in cases}
+    assert ops == {"fused_q_kv_rmsnorm", "rmsnorm", "mla_q_kv_norm", "rmsnorm_gated",
+                   "rmsnorm_gated_fp8_per_token", "per_token_fp8_quant"}
+    fn, args = rocm_check.case_fn(rocm_check.BROKEN)  # the forced launch: 64 rows, 1 wavefront
+    (launch,) = _compat.triton_launches(_compat.lower_for(fn, args, "gfx942", "rocm").as_text())
+    assert (launch["num_warps"], launch["grid_x"]) == (1, 4096 // 64)

@@ -1,0 +1,188 @@
+"""The FP8 conversion choice (k3pallas.fp8_cast): the self-check's values, the selection logic on
+a simulated GPU (interpret mode standing in for the device, a faulty native cast standing in for
+a hardware mismatch), the options and their errors, and the scoped lowering patch for e4m3fnuz."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import k3pallas as kp
+from k3pallas import _compat, fp8_cast, platform
+from k3pallas.kernels import gated_fp8
+
+FORMATS = ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2"]
+GFX942 = platform.target_for("gfx942", "rocm")
+GFX950 = platform.target_for("gfx950", "rocm")
+H200 = platform.target_for("NVIDIA H200", "cuda")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No cached decisions; self-checks run in interpret mode, as if on an attached device."""
+    monkeypatch.setattr(fp8_cast, "_DECISIONS", {})
+    monkeypatch.setattr(fp8_cast, "_attached", lambda target: True)
+    real = fp8_cast.self_check
+    monkeypatch.setattr(fp8_cast, "self_check", lambda dtype, interpret: real(dtype, interpret=True))
+    monkeypatch.delenv(fp8_cast.ENV_VAR, raising=False)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_check_values_cover_the_format(name):
+    v = fp8_cast.check_values(name)
+    assert v.dtype == np.float32 and len(v) & (len(v) - 1) == 0
+    codes = np.arange(256, dtype=np.uint8).view(jnp.dtype(name)).astype(np.float32)
+    finite = codes[np.isfinite(codes)]
+    assert set(finite.tolist()) <= set(v.tolist())  # every code's value, both signs
+    mags = np.unique(np.abs(finite))
+    mids = ((mags[:-1].astype(np.float64) + mags[1:]) / 2).astype(np.float32)
+    for m in (mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(0))):
+        assert set(m.tolist()) <= set(v.tolist()) and set((-m).tolist()) <= set(v.tolist())
+    assert np.isnan(v).sum() == 2 and (np.signbit(v) & (v == 0)).any()  # NaN both signs, -0
+    assert np.abs(v[np.isfinite(v)]).max() <= np.nextafter(np.float32(mags.max()), np.float32(np.inf))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_native_and_encoder_agree_in_interpret_mode(name):
+    assert fp8_cast.self_check(name, interpret=True) == ()
+
+
+def test_fnuz_fixup_flushes_negative_zero():
+    """-tiny rounds to zero; in e4m3fnuz that must be 0x00 (0x80 is NaN), native as encoder."""
+    v = jnp.asarray([-2.0**-12, -2.0**-11, 2.0**-11, -0.0, float("nan")], jnp.float32)
+    got = np.asarray(jax.lax.bitcast_convert_type(gated_fp8.native_codes(v, jnp.float8_e4m3fnuz), jnp.uint8))
+    assert got.tolist() == [0, 0, 0, 0, 0x80]
+
+
+@pytest.mark.parametrize("target,name", [(GFX942, "float8_e4m3fnuz"), (GFX950, "float8_e4m3fn"),
+                                         (H200, "float8_e4m3fn"), (H200, "float8_e5m2")])
+def test_auto_picks_native_after_a_passing_self_check(fresh, target, name):
+    d = fp8_cast.decide(name, "auto", target=target)
+    assert d.native and "agree on all" in d.reason and d.mismatches == ()
+    assert any(x.target == d.target and x.dtype == name and x.native for x in kp.fp8_cast_decisions())
+    assert fp8_cast.decide(name, "native", target=target).native
+
+
+def test_simulated_mismatch_warns_once_and_falls_back(fresh, monkeypatch):
+    real = gated_fp8.native_codes
+    monkeypatch.setattr(gated_fp8, "native_codes", lambda v, dtype: real(v * (1 + 2.0**-6), dtype))
+    with pytest.warns(RuntimeWarning, match=r"native float8_e4m3fnuz conversion differs from the encoder"):
+        d = fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX942)
+    assert not d.native and d.mismatches and "encoder 0x" in d.reason
+    value, enc, nat = d.mismatches[0]
+    assert enc != nat
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # decided once: no second warning
+        assert not fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX942).native
+    with pytest.raises(RuntimeError, match="fp8_cast='native': self-check on rocm gfx942"):
+        fp8_cast.decide("float8_e4m3fnuz", "native", target=GFX942)
+
+
+def test_simulated_mismatch_through_the_api(fresh, monkeypatch, rng):
+    """A kernel built after a failed check uses the encoder: its codes equal the encoder's."""
+    real = gated_fp8.native_codes
+    monkeypatch.setattr(gated_fp8, "native_codes", lambda v, dtype: real(v * 1.5, dtype))
+    x = jnp.asarray(rng.standard_normal((8, 256)), jnp.float32)
+    with pytest.raises(RuntimeError, match="per_token_fp8_quant: fp8_cast='native'"), \
+            pytest.warns(RuntimeWarning, match="differs from the encoder"):
+        kp.per_token_fp8_quant(x, fp8_cast="native", impl="interpret")
+    enc = kp.per_token_fp8_quant(x, fp8_cast="encoder", impl="interpret")
+    ref = kp.per_token_fp8_quant(x, impl="reference")
+    assert np.array_equal(np.asarray(enc.data).view(np.uint8), np.asarray(ref.data).view(np.uint8))
+
+
+def test_no_native_conversion_for_the_format(fresh):
+    d = fp8_cast.decide("float8_e4m3fnuz", "auto", target=H200)
+    assert not d.native and "no e4m3fnuz conversion" in d.reason
+    with pytest.raises(RuntimeError, match="NVIDIA GPUs have no e4m3fnuz conversion"):
+        fp8_cast.decide("float8_e4m3fnuz", "native", target=H200)
+    assert not fp8_cast.decide("float8_e4m3fn", "auto", target=GFX942).native  # emulated there
+    assert not fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX950).native
+    old = platform.target_for("NVIDIA A100", "cuda")
+    assert "sm_89" in fp8_cast.decide("float8_e4m3fn", "auto", target=old).reason
+
+
+def test_without_a_device_auto_is_the_encoder_and_native_raises(monkeypatch):
+    monkeypatch.setattr(fp8_cast, "_DECISIONS", {})
+    d = fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX942)
+    assert not d.native and "no gfx942 device attached" in d.reason
+    with pytest.raises(RuntimeError, match="no gfx942 device attached.*native_unchecked"):
+        fp8_cast.decide("float8_e4m3fnuz", "native", target=GFX942)
+    assert fp8_cast.decide("float8_e4m3fnuz", "native_unchecked", target=GFX942).native
+    assert not fp8_cast.decide("float8_e4m3fnuz", "encoder", target=GFX942).native
+
+
+def test_modes_and_environment_variable(monkeypatch, rng):
+    x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
+    with pytest.raises(ValueError, match="per_token_fp8_quant: fp8_cast must be one of"):
+        kp.per_token_fp8_quant(x, fp8_cast="fast")
+    with pytest.raises(ValueError, match="fp8_cast must be one of"):
+        kp.rmsnorm_gated_fp8_per_token(x.reshape(4, 2, 32), jnp.ones(32), x.reshape(4, 2, 32), fp8_cast=1)
+    monkeypatch.setenv(fp8_cast.ENV_VAR, "bogus")
+    with pytest.raises(ValueError, match="K3PALLAS_FP8_CAST='bogus'"):
+        kp.per_token_fp8_quant(x)
+    monkeypatch.setenv(fp8_cast.ENV_VAR, "native")
+    assert fp8_cast.resolve_mode(None) == "native" and fp8_cast.resolve_mode("encoder") == "encoder"
+    monkeypatch.delenv(fp8_cast.ENV_VAR)
+    assert fp8_cast.resolve_mode(None) == "auto"
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_native_path_in_interpret_equals_the_encoder_path(rng, monkeypatch, name):
+    monkeypatch.setattr(fp8_cast, "_DECISIONS", {})
+    x = jnp.asarray(rng.standard_normal((9, 3, 64)) * 3, jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal((9, 3, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(64), jnp.float32)
+    x = x.at[2].set(jnp.nan).at[4].set(0.0)
+    out = {c: kp.rmsnorm_gated_fp8_per_token(x, w, g, fp8_dtype=name, fp8_cast=c, impl="interpret")
+           for c in ("encoder", "native")}
+    a, b = (np.asarray(out[c].data).view(np.uint8) for c in ("encoder", "native"))
+    nan = np.isnan(np.asarray(out["encoder"].data.astype(jnp.float32)))
+    assert np.array_equal(a[~nan], b[~nan]) and nan[2].all() and not nan[[0, 1, 3, 4]].any()
+    assert np.isnan(np.asarray(out["native"].data[2].astype(jnp.float32))).all()
+    np.testing.assert_array_equal(np.asarray(out["encoder"].scale), np.asarray(out["native"].scale))
+    assert any(d.native and d.target == "interpret" and d.dtype == name for d in kp.fp8_cast_decisions())
+
+
+def _lower_ir(fn, args, arch="gfx942"):
+    lowered = _compat.lower_for(fn, args, arch, "rocm")
+    return [m["ir"] for m in _compat.triton_ir_modules(lowered)]
+
+
+@pytest.mark.parametrize("op", ["gated", "quant"])
+def test_native_fnuz_lowers_for_gfx942_in_our_kernels_only(op):
+    from jax.experimental import pallas as pl
+
+    s = jax.ShapeDtypeStruct
+    if op == "gated":
+        args = [s((64, 12, 128), jnp.bfloat16), s((128,), jnp.float32), s((64, 12, 128), jnp.bfloat16)]
+        run = lambda cast: (lambda *a: kp.rmsnorm_gated_fp8_per_token(*a, fp8_cast=cast, impl="pallas"))  # noqa: E731
+    else:
+        args = [s((64, 4096), jnp.bfloat16)]
+        run = lambda cast: (lambda a: kp.per_token_fp8_quant(a, fp8_cast=cast, impl="pallas"))  # noqa: E731
+    (native,) = _lower_ir(run("native_unchecked"), args)
+    (encoder,) = _lower_ir(run("encoder"), args)
+    assert "tt.fp_to_fp" in native and "f8E4M3FNUZ" in native
+    assert "tt.fp_to_fp" not in encoder and "f8E4M3FNUZ" not in encoder
+    # The lowering still refuses the cast in anybody else's kernel.
+
+    def user_kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...].astype(jnp.float8_e4m3fnuz)
+
+    user = lambda x: pl.pallas_call(user_kernel, out_shape=s((1024,), jnp.float8_e4m3fnuz),  # noqa: E731
+                                    compiler_params=_compat.triton_compiler_params(4, 1))(x)
+    with pytest.raises(NotImplementedError, match="cannot cast to `float8_e4m3fnuz`"):
+        _lower_ir(user, [s((1024,), jnp.float32)])
+
+
+def test_fnuz_patch_refuses_an_unknown_jax(monkeypatch):
+    monkeypatch.setattr(_compat, "JAX_VERSION", (0, 9, 0))
+    reason = _compat.native_fnuz_cast_unavailable()
+    assert reason and "written for jax 0.10.2, 0.11.2, 0.12.0, not" in reason
+    assert "not" in fp8_cast.native_unavailable(GFX942, jnp.float8_e4m3fnuz)
+    d = fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX942)
+    assert not d.native and "written for jax" in d.reason
