@@ -6,7 +6,9 @@ Variants (same inputs, same process):
 * ``unfused``: the k3pallas path without the fusion (two ``rmsnorm`` launches; ``rmsnorm_gated``
   then ``per_token_fp8_quant``), where the op has one;
 * ``xla``: the jnp reference compiled by XLA (what a JAX user gets without this package);
-* ``copy``: a device-to-device copy moving the same number of bytes, the bandwidth ceiling.
+* ``copy``: a device-to-device copy moving the same number of bytes, the bandwidth ceiling;
+* ``encoder`` (FP8 ops): the fused kernel with ``fp8_cast="encoder"``, the integer encoder in
+  place of the native conversion (what gfx942 runs without the native path).
 
 Two integration paths are measured the same way: ``mla_q_kv_norm`` on the packed MLA projection
 (``unfused`` there: XLA slices the packed rows, then ``fused_q_kv_rmsnorm``), and
@@ -110,6 +112,8 @@ def make_case(op: str, config_name: str, tokens: int, dtype: str, impl: str) -> 
             variants = {
                 "k3pallas": j(lambda x, w, g: kp.rmsnorm_gated_fp8_per_token(
                     x, w, g, eps, fp8_dtype=fp8_dtype, impl=impl)),
+                "encoder": j(lambda x, w, g: kp.rmsnorm_gated_fp8_per_token(
+                    x, w, g, eps, fp8_dtype=fp8_dtype, fp8_cast="encoder", impl=impl)),
                 "unfused": j(unfused),
                 "xla": j(lambda x, w, g: kp.rmsnorm_gated_fp8_per_token(
                     x, w, g, eps, fp8_dtype=fp8_dtype, impl="reference")),
@@ -123,6 +127,8 @@ def make_case(op: str, config_name: str, tokens: int, dtype: str, impl: str) -> 
             return (_rand(jax.random.PRNGKey(seed), (tokens, n), dt),)
         variants = {
             "k3pallas": j(lambda x: kp.per_token_fp8_quant(x, fp8_dtype=fp8_dtype, impl=impl)),
+            "encoder": j(lambda x: kp.per_token_fp8_quant(x, fp8_dtype=fp8_dtype,
+                                                          fp8_cast="encoder", impl=impl)),
             "xla": j(lambda x: kp.per_token_fp8_quant(x, fp8_dtype=fp8_dtype, impl="reference")),
         }
         inb = _nbytes((tokens, n), dt)

@@ -9,6 +9,7 @@ numbers as CPU wall-clock.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import platform as py_platform
@@ -110,12 +111,16 @@ def markdown(records: list[dict], env: dict) -> str:
            "% copy = copy time / variant time for the same bytes (copy: the faster of XLA's "
            "device memcpy and an XLA copy kernel). `us (n)`: time and kernels launched per call "
            f"(n = 0: wall-clock, not counted). Inputs rotate over enough sets to miss the cache. "
-           f"Commit {env.get('git_commit') or '?'}, {env['date']}.", ""]
+           f"Commit {env.get('git_commit') or '?'}, {env['date']}. FP8 conversion: "
+           + ("; ".join(f"{d['dtype']} on {d['target']}: {'native' if d['native'] else 'encoder'} "
+                        f"({d['reason']})" for d in env.get("fp8_cast_decisions", [])
+                        if d["mode"] != "encoder") or "-")
+           + " (`encoder` column: the same kernel with the integer encoder).", ""]
     groups = {}
     for r in records:
         groups.setdefault((r["op"], r["config"], r["dtype"]), {}).setdefault(r["tokens"], {})[r["variant"]] = r
     for (op, cfg, dtype), by_t in groups.items():
-        variants = [v for v in ("unfused", "xla", "bf16") if any(v in d for d in by_t.values())]
+        variants = [v for v in ("encoder", "unfused", "xla", "bf16") if any(v in d for d in by_t.values())]
         out.append(f"## {op} · {cfg} · {dtype}")
         out.append("")
         head = ["T", "k3pallas us (n)", "GB/s", "% copy"]
@@ -237,6 +242,7 @@ def main(argv=None) -> int:
         _log(f"[{i}/{len(jobs)} {time.time() - t_start:6.1f}s] {op} {cfg} T={t}: k3pallas "
              f"{k['median_us']:.2f} us ({k['kernels_per_call']} kernels), "
              f"{_fmt(k['pct_of_copy'], '.0f')}% of copy")
+    env["fp8_cast_decisions"] = [dataclasses.asdict(d) for d in kp.fp8_cast_decisions()]
     md = markdown(records, env)
     write_report(args.out, "results", md, {"environment": env, "records": records})
     plotted = plot(records, env, os.path.join(args.out, "results.png"))

@@ -64,11 +64,12 @@ class CastDecision:
     mismatches: tuple = ()  # (value, encoder code, native code) where the self-check disagreed
 
 
-_DECISIONS: dict = {}
+_CHECKS: dict = {}  # (where, dtype) -> the self-check's decision, once per process
+_DECISIONS: dict = {}  # (where, dtype, mode) -> the last decision taken
 
 
 def decisions() -> list[CastDecision]:
-    """Every decision taken in this process (one per target and format), oldest first."""
+    """The decisions taken in this process, one per (target, format, requested mode)."""
     return list(_DECISIONS.values())
 
 
@@ -166,6 +167,7 @@ def decide(dtype, fp8_cast=None, *, interpret: bool = False, target=None) -> Cas
     A native e4m3fnuz decision for a GPU also enables that cast in the lowering
     (``k3pallas._compat.enable_native_fnuz_cast``, for k3pallas kernels only)."""
     decision = _decide(dtype, fp8_cast, interpret, target)
+    _DECISIONS[(decision.target, decision.dtype, decision.mode)] = decision
     if decision.native and not interpret and jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fnuz):
         _compat.enable_native_fnuz_cast()
     return decision
@@ -196,7 +198,7 @@ def _decide(dtype, fp8_cast, interpret, target) -> CastDecision:
         raise RuntimeError(f"fp8_cast='native': {reason}; use 'native_unchecked' to compile the "
                            "native path without a check")
     key = (where, dtype.name)
-    checked = _DECISIONS.get(key)
+    checked = _CHECKS.get(key)
     if checked is None:
         bad = self_check(dtype, interpret=interpret)
         if bad:
@@ -208,7 +210,7 @@ def _decide(dtype, fp8_cast, interpret, target) -> CastDecision:
             reason = (f"self-check on {where}: native and encoder agree on all "
                       f"{len(check_values(dtype))} values")
         checked = CastDecision(not bad, "auto", where, dtype.name, reason, bad)
-        _DECISIONS[key] = checked
+        _CHECKS[key] = checked
     if mode == "native" and not checked.native:
         raise RuntimeError(f"fp8_cast='native': {checked.reason}")
     return dataclasses.replace(checked, mode=mode)

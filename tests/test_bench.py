@@ -73,7 +73,11 @@ def test_quick_mode_end_to_end(tmp_path):
     recs = data["records"]
     assert {r["op"] for r in recs} == {"fused_q_kv_rmsnorm", "rmsnorm_gated_fp8_per_token"}
     assert {r["tokens"] for r in recs} == {1, 64}
-    assert {r["variant"] for r in recs} == {"k3pallas", "unfused", "xla", "copy"}
+    assert {r["variant"] for r in recs} == {"k3pallas", "encoder", "unfused", "xla", "copy"}
+    assert {r["variant"] for r in recs if r["op"] == "fused_q_kv_rmsnorm"} == {"k3pallas", "unfused", "xla", "copy"}
+    # The FP8 conversion decisions of the run: interpret mode's auto is the encoder.
+    assert env["fp8_cast_decisions"] and all(not d["native"] and d["target"] == "interpret"
+                                             for d in env["fp8_cast_decisions"])
     for r in recs:
         for key in ("median_us", "min_us", "kernels_per_call", "bytes", "gb_per_s", "pct_of_copy",
                     "config", "dtype", "clock"):

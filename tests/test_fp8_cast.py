@@ -25,6 +25,7 @@ H200 = platform.target_for("NVIDIA H200", "cuda")
 def fresh(monkeypatch):
     """No cached decisions; self-checks run in interpret mode, as if on an attached device."""
     monkeypatch.setattr(fp8_cast, "_DECISIONS", {})
+    monkeypatch.setattr(fp8_cast, "_CHECKS", {})
     monkeypatch.setattr(fp8_cast, "_attached", lambda target: True)
     real = fp8_cast.self_check
     monkeypatch.setattr(fp8_cast, "self_check", lambda dtype, interpret: real(dtype, interpret=True))
@@ -108,6 +109,7 @@ def test_no_native_conversion_for_the_format(fresh):
 
 def test_without_a_device_auto_is_the_encoder_and_native_raises(monkeypatch):
     monkeypatch.setattr(fp8_cast, "_DECISIONS", {})
+    monkeypatch.setattr(fp8_cast, "_CHECKS", {})
     d = fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX942)
     assert not d.native and "no gfx942 device attached" in d.reason
     with pytest.raises(RuntimeError, match="no gfx942 device attached.*native_unchecked"):
@@ -134,6 +136,7 @@ def test_modes_and_environment_variable(monkeypatch, rng):
 @pytest.mark.parametrize("name", FORMATS)
 def test_native_path_in_interpret_equals_the_encoder_path(rng, monkeypatch, name):
     monkeypatch.setattr(fp8_cast, "_DECISIONS", {})
+    monkeypatch.setattr(fp8_cast, "_CHECKS", {})
     x = jnp.asarray(rng.standard_normal((9, 3, 64)) * 3, jnp.bfloat16)
     g = jnp.asarray(rng.standard_normal((9, 3, 64)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal(64), jnp.float32)

@@ -168,3 +168,55 @@ def test_native_cast_matches_software_encoder(rng, name):
                          out_specs=pl.BlockSpec((4096,), lambda i: (i,)),
                          out_shape=jax.ShapeDtypeStruct((n,), jnp.dtype(name)))(x)
     assert np.array_equal(np.asarray(out).view(np.uint8), expected_codes(v[:n], name))
+
+
+# ---------------------------------------------------------------------------------------------
+# The FP8 conversion choice on the device (k3pallas.fp8_cast)
+# ---------------------------------------------------------------------------------------------
+
+
+def _device_target():
+    from k3pallas import platform
+
+    return platform.current_target()
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz"])
+def test_fp8_cast_self_check_on_the_device(name):
+    """The self-check kernel compiled for this GPU; where the target has a native conversion for
+    the format, both paths agree on every value and auto picks native."""
+    from k3pallas import fp8_cast
+
+    target = _device_target()
+    reason = fp8_cast.native_unavailable(target, name)
+    d = fp8_cast.decide(name, "auto")
+    if reason:
+        assert not d.native and d.reason == reason
+        return
+    assert fp8_cast.self_check(name, interpret=False) == ()
+    assert d.native and "agree on all" in d.reason, d
+
+
+@pytest.mark.parametrize("op", ["gated", "quant"])
+@pytest.mark.parametrize("t", [7, 65536])
+def test_native_and_encoder_kernels_agree_compiled(rng, op, t):
+    """The fused kernels with the native conversion and with the encoder: the same scales and,
+    on every non-NaN element, the same bytes."""
+    name = "float8_e4m3fn" if _device_target().backend == "cuda" else str(kp.default_fp8_dtype())
+    k = jax.random.split(jax.random.PRNGKey(int(rng.integers(2**31))), 3)
+    if op == "gated":
+        x, g = _rand(k[0], (t, 32, 128), jnp.bfloat16, 2.0), _rand(k[1], (t, 32, 128), jnp.bfloat16, 2.0)
+        w = jax.random.uniform(k[2], (128,), jnp.float32, 0.2, 2.0)
+        x = x.at[3].set(jnp.nan).at[5].set(0.0)
+        run = lambda c: jax.jit(lambda *a: kp.rmsnorm_gated_fp8_per_token(  # noqa: E731
+            *a, fp8_dtype=name, fp8_cast=c, impl="pallas"))(x, w, g)
+    else:
+        x = _rand(k[0], (t, 4096), jnp.bfloat16, 3.0).at[3].set(jnp.nan).at[5].set(0.0)
+        run = lambda c: jax.jit(lambda a: kp.per_token_fp8_quant(  # noqa: E731
+            a, fp8_dtype=name, fp8_cast=c, impl="pallas"))(x)
+    nat, enc = run("native"), run("encoder")
+    a, b = np.asarray(nat.data).view(np.uint8), np.asarray(enc.data).view(np.uint8)
+    nan = np.isnan(f64(enc.data))
+    assert np.array_equal(np.isnan(f64(nat.data)), nan) and nan[3].all()
+    assert np.array_equal(a[~nan], b[~nan])
+    np.testing.assert_array_equal(np.asarray(nat.scale), np.asarray(enc.scale))
