@@ -363,7 +363,8 @@ def gemm_summary(pr) -> str:
     for k in pr["launches"]:
         if k["ours"] or not ("gemm" in k["kernel"] or "dot" in k["kernel"]):
             continue
-        mm = ", ".join(k.get("mfma") or []) or f"no MFMA ({k.get('fma', '?')} f32 FMAs)"
+        mm = ", ".join(k.get("mfma") or []) or (
+            f"no MFMA ({k.get('fma', '?')} FMA, {k.get('dot', '?')} dot-product instructions)")
         cvt = ", ".join(k.get("fp8_cvt") or [])
         parts.append(f"{k['kernel']}: {mm}" + (f"; fp8 -> f32 by {cvt}" if cvt else ""))
     return "; ".join(parts) or "-"
@@ -402,7 +403,19 @@ def run_xla(all_cases, programs, log, env_dir=None) -> tuple[list, list, dict]:
             kernels += got["kernels"]
             progs += got["programs"]
             log(f"{arch}: XLA compiled {len(got['kernels'])} kernels, {len(got['programs'])} programs")
-    return kernels, progs, {"jax_rocm": env["jax"]}
+    return kernels, progs, {"jax_rocm": env["jax"], "devices": target_devices(env)}
+
+
+def target_devices(env) -> dict:
+    """CUs, clock and bandwidth of each arch, from XLA's own target config (for bench.amd_cost)."""
+    out = {}
+    for arch, path in env["targets"].items():
+        with open(path) as f:
+            text = f.read()
+        num = lambda key: float(re.search(rf"\b{key}:\s*([\d.e+]+)", text).group(1))  # noqa: E731
+        out[arch] = {"device": env["devices"][arch], "core_count": int(num("core_count")),
+                     "clock_rate_ghz": num("clock_rate_ghz"), "memory_bandwidth": num("memory_bandwidth")}
+    return out
 
 
 def run_triton(tokens, ops, log, broken) -> tuple[list, str]:
@@ -465,8 +478,9 @@ def main(argv=None):
                 results, meta["compiler"] = tri, f"pip triton {meta['triton']}"
             else:
                 other = tri
-                results += [r for r in tri if r["op"] in ("native cast (Triton)",)
-                            or r["op"].startswith("encode_fp8")]
+                # The FP8 conversion baselines exist for pip triton only.
+                results += [{**r, "op": r["op"] + " [pip triton only]"} for r in tri
+                            if r["op"].startswith(("native cast (Triton)", "encode_fp8"))]
     except rocm_env.SetupError as e:
         print(f"rocm_check: {e}", file=sys.stderr)
         return 2

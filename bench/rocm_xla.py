@@ -88,7 +88,8 @@ def parse_code(dis: str, kernel: str) -> dict:
             "fp8_cvt": sorted(set(cvt)), "fp8_cvt_count": len(cvt),
             "undecoded": sum(op.startswith(".") for op in code),
             "mfma": sorted({op for op in code if op.startswith(("v_mfma", "v_smfmac"))}),
-            "fma": sum(op.startswith(("v_fma", "v_fmac", "v_pk_fma")) for op in code)}
+            "fma": sum(op.startswith(("v_fma", "v_fmac", "v_pk_fma")) for op in code),
+            "dot": sum(op.startswith("v_dot") for op in code)}
 
 
 _THUNK = re.compile(r"kCustomKernel.*? (\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+) bytes")
@@ -197,7 +198,7 @@ class Compiler:
         return {"arch": self.arch, "program": name, "compile_s": round(time.time() - t0, 2),
                 "launches": [{"kernel": k, **v, "ours": k.startswith("k3pallas_"),
                               **({kk: kernels[k][kk] for kk in ("vgpr", "sgpr", "instructions", "fp8_cvt",
-                                                                "fp8_cvt_count", "mfma", "fma")}
+                                                                "fp8_cvt_count", "mfma", "fma", "dot")}
                                  if k in kernels else {})}
                              for k, v in launches.items()],
                 "custom_calls": calls, "fusions": [{"name": a, "kind": b} for a, b, _ in fusions],

@@ -115,7 +115,7 @@ def test_xla_hsaco_parsers():
     assert k == {"kernel": "k3pallas_rmsnorm_gated_fp8", "vgpr": 76, "sgpr": 24, "agpr": 4,
                  "vgpr_spill": 3, "sgpr_spill": 0, "scratch": 16, "static_lds": 0}
     c = rocm_xla.parse_code(DISASSEMBLY, "k3pallas_rmsnorm_gated_fp8")
-    assert (c["instructions"], c["valu"], c["fp8_cvt_count"], c["fma"]) == (6, 4, 2, 1)
+    assert (c["instructions"], c["valu"], c["fp8_cvt_count"], c["fma"], c["dot"]) == (6, 4, 2, 1, 0)
     assert c["fp8_cvt"] == ["v_cvt_pk_fp8_f32"] and c["mfma"] == ["v_mfma_f32_16x16x8_xf32"]
     assert rocm_check.problems({**k, **c, "arch": "gfx942", "op": "rmsnorm_gated_fp8_per_token",
                                 "occupancy": 5}) == ["spills (3 VGPR, 0 SGPR)", "scratch 16 bytes"]
