@@ -189,3 +189,9 @@ def test_gate_cases():
     fn, args = rocm_check.case_fn(rocm_check.BROKEN)  # the forced launch: 64 rows, 1 wavefront
     (launch,) = _compat.triton_launches(_compat.lower_for(fn, args, "gfx942", "rocm").as_text())
     assert (launch["num_warps"], launch["grid_x"]) == (1, 4096 // 64)
+
+
+def test_deviceless_rocm_patches_refuse_an_unknown_jax(monkeypatch):
+    monkeypatch.setattr(_compat, "JAX_VERSION", (0, 11, 2))
+    with pytest.raises(RuntimeError, match=r"written for jax 0\.12\.0; this is jax .*bench\.rocm_env"):
+        _compat.rocm_deviceless_topology("", "gfx942", "MI300X")
