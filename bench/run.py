@@ -101,6 +101,11 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
+def _fmt_gbs(v):
+    """GB/s with three significant digits, so small CPU figures do not print as 0."""
+    return "-" if v is None else (f"{v:.0f}" if v >= 100 else f"{v:.3g}")
+
+
 def markdown(records: list[dict], env: dict) -> str:
     gpu = env["backend"] in ("cuda", "rocm")
     clock = "device time per call (median), from jax.profiler traces" if gpu else (
@@ -132,7 +137,7 @@ def markdown(records: list[dict], env: dict) -> str:
             d = by_t[t]
             k = d["k3pallas"]
             cells = [str(t), f"{k['median_us']:.2f} ({k['kernels_per_call']})",
-                     _fmt(k["gb_per_s"], ".0f"), _fmt(k["pct_of_copy"], ".0f")]
+                     _fmt_gbs(k["gb_per_s"]), _fmt(k["pct_of_copy"], ".0f")]
             cells += [f"{d[v]['median_us']:.2f} ({d[v]['kernels_per_call']})" for v in variants]
             cells += [f"{d[v]['median_us'] / k['median_us']:.2f}" for v in variants]
             lc = k.get("launch_config")
@@ -239,13 +244,15 @@ def main(argv=None) -> int:
         recs = measure(case, gpu, calls, target)
         records += recs
         k = next(r for r in recs if r["variant"] == "k3pallas")
+        kernels = (f"{k['kernels_per_call']} kernels" if gpu else
+                   "wall-clock: kernels not counted on the CPU")
         _log(f"[{i}/{len(jobs)} {time.time() - t_start:6.1f}s] {op} {cfg} T={t}: k3pallas "
-             f"{k['median_us']:.2f} us ({k['kernels_per_call']} kernels), "
-             f"{_fmt(k['pct_of_copy'], '.0f')}% of copy")
+             f"{k['median_us']:.2f} us ({kernels}), {_fmt(k['pct_of_copy'], '.0f')}% of copy")
     env["fp8_cast_decisions"] = [dataclasses.asdict(d) for d in kp.fp8_cast_decisions()]
     md = markdown(records, env)
     write_report(args.out, "results", md, {"environment": env, "records": records})
-    plotted = plot(records, env, os.path.join(args.out, "results.png"))
+    # The bandwidth plot is a GPU result; CPU wall-clock numbers would only mislead in a picture.
+    plotted = gpu and plot(records, env, os.path.join(args.out, "results.png"))
     print(md)
     _log(f"wrote {args.out}/results.md, results.json" + (", results.png" if plotted else ""))
     return 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -274,9 +275,12 @@ def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None,
 
 
 def _check_size(op, name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{op}: {name} must be a Python int >= {minimum}, got {value!r}")
-    return value
+    """A static integer option (any ``numbers.Integral``, e.g. ``np.int64``; not bool) as int."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            or isinstance(value, jax.Array) or value < minimum):
+        raise ValueError(f"{op}: {name} must be an integer >= {minimum} (a static option), "
+                         f"got {value!r}")
+    return int(value)
 
 
 def mla_q_kv_norm(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_size=1536, kv_size=512,
@@ -408,7 +412,7 @@ def rmsnorm_gated(x, weight, gate, eps=1e-5, *, activation="sigmoid", impl="auto
 
 
 def _check_groups(op, scale_groups, n, what):
-    _check_size(op, "scale_groups", scale_groups, 1)
+    scale_groups = _check_size(op, "scale_groups", scale_groups, 1)
     if n % scale_groups:
         raise ValueError(f"{op}: scale_groups={scale_groups} must divide {what} ({n})")
     return scale_groups
@@ -419,6 +423,9 @@ def rmsnorm_gated_fp8_per_token(x, weight, gate, eps=1e-5, *, activation="sigmoi
                                 scale_groups=1, fp8_cast=None, impl="auto") -> QuantizedActivation:
     op = "rmsnorm_gated_fp8_per_token"
     eps = _check_gated(op, x, weight, gate, eps, activation)
+    if x.ndim < 3:  # [H, D] or [T, H*D] would be ambiguous: the scale is per token
+        raise ValueError(f"{op}: x and gate must be [..., T, H, D] (rank >= 3: tokens, heads, head "
+                         f"dim; one token: x[None]); got shape {tuple(x.shape)}")
     q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
     heads, dim = x.shape[-2:]
     groups = _check_groups(op, scale_groups, heads, "the number of heads")
@@ -448,7 +455,8 @@ rmsnorm_gated_fp8_per_token.__doc__ = """Gated RMSNorm fused with dynamic per-to
     FP8 scale per token over all heads; ``y`` itself never goes through memory.
 
     Args:
-      x, gate: ``[..., H, D]``; weight ``[D]``; eps (default 1e-5); activation "sigmoid" | "silu".
+      x, gate: ``[..., T, H, D]``, rank >= 3 (tokens, heads, head dim: the scale is per token);
+        weight ``[D]``; eps (default 1e-5); activation "sigmoid" | "silu".
 """ + _FP8_DOC + """      impl: "auto", "pallas", "interpret" or "reference".
 
     Returns: ``QuantizedActivation(data [..., H*D] fp8, scale [..., G] float32)``.

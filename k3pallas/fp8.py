@@ -90,6 +90,9 @@ def default_fp8_dtype(device=None):
     AMD gfx94x (MI300X, MI325X) -> ``float8_e4m3fnuz``; gfx950 (MI355X) and later, NVIDIA sm_89
     and later, and the CPU -> ``float8_e4m3fn``. Older NVIDIA parts have no FP8 units; they get
     e4m3fn too (XLA emulates it).
+
+    ``device``: None, a jax device, a ``platform.Target``, or a name: an AMD arch or part
+    (``"gfx942"``, ``"MI300X"``), an NVIDIA arch or part (``"sm_90"``, ``"H200"``), or ``"cpu"``.
     """
     from k3pallas import platform  # local import: platform imports jax devices lazily
 
@@ -97,6 +100,8 @@ def default_fp8_dtype(device=None):
         target = platform.current_target()
     elif isinstance(device, platform.Target):
         target = device
+    elif isinstance(device, str):
+        target = platform.target_from_name(device)
     else:
         target = platform.target_for(device.device_kind, platform.device_platform(device),
                                      getattr(device, "compute_capability", None))
@@ -153,18 +158,26 @@ def resolve_fp8_params(fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=No
 
 
 class QuantizedActivation(NamedTuple):
-    """Per-token FP8 activation: ``data [..., N]`` in an fp8 dtype, ``scale [..., 1]`` float32.
+    """Per-token FP8 activation: ``data [..., N]`` in an fp8 dtype, ``scale [..., G]`` float32,
+    one scale per token for each of ``G`` equal, contiguous column groups (``G = 1``: one per
+    token).
 
-    ``data * scale`` approximates the original activation. A NamedTuple, so ``q, scale = qa``
-    unpacks and it passes through ``jax.jit`` as a pytree.
+    ``data * scale`` (per group) approximates the original activation. A NamedTuple, so
+    ``q, scale = qa`` unpacks and it passes through ``jax.jit`` as a pytree.
     """
 
     data: jax.Array
     scale: jax.Array
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """``data.astype(float32) * scale``, cast to ``dtype``."""
-        return (self.data.astype(jnp.float32) * self.scale).astype(dtype)
+        """``data.astype(float32) * scale`` per column group, cast to ``dtype``; ``[..., N]``."""
+        n, groups = self.data.shape[-1], self.scale.shape[-1]
+        if self.scale.shape[:-1] != self.data.shape[:-1] or groups < 1 or n % groups:
+            raise ValueError(f"QuantizedActivation: scale {tuple(self.scale.shape)} does not fit "
+                             f"data {tuple(self.data.shape)} (scale [..., G], G dividing N)")
+        lead = self.data.shape[:-1]
+        d = self.data.astype(jnp.float32).reshape(lead + (groups, n // groups))
+        return (d * self.scale[..., None]).reshape(self.data.shape).astype(dtype)
 
 
 def encode_fp8(v: jax.Array, dtype) -> jax.Array:

@@ -102,6 +102,25 @@ def target_for(device_kind: str, platform: str, compute_capability=None) -> Targ
     return Target(platform, platform, device_kind, 1, os.cpu_count() or 1)
 
 
+def target_from_name(name: str) -> Target:
+    """A ``Target`` from a name alone: ``"gfx942"``, ``"MI355X"``, ``"sm_90"``, ``"H200"``, ``"cpu"``.
+
+    ValueError for a name that is none of those."""
+    if not isinstance(name, str):
+        raise TypeError(f"expected a device name (str), got {type(name).__name__}")
+    if name.lower() == "cpu":
+        return target_for("cpu", "cpu")
+    if name.startswith("gfx") or any(n in name for n, _ in _AMD_ARCH_BY_NAME):
+        return target_for(name, "rocm")
+    m = re.fullmatch(r"sm_(\d+)(\d)", name)
+    if m:
+        return target_for(name, "cuda", f"{m.group(1)}.{m.group(2)}")
+    if any(n in name for n, _ in _NVIDIA_ARCH_BY_NAME):
+        return target_for(name, "cuda")
+    raise ValueError(f"unknown device name {name!r}: expected an AMD arch or part (gfx942, "
+                     "MI300X), an NVIDIA arch or part (sm_90, H200) or 'cpu'")
+
+
 def device_platform(device) -> str:
     """"cpu", "cuda" or "rocm" for a jax device (jax reports both GPU kinds as "gpu")."""
     plat = device.platform

@@ -17,11 +17,18 @@ __all__ = [
 ]
 
 
-def rmsnorm(x, weight, eps):
-    """``x * rsqrt(mean(x**2, -1) + eps) * weight`` in float32, cast to ``x.dtype``."""
-    xf = x.astype(jnp.float32)
+def _inv_rms(xf, eps):
+    """``rsqrt(mean(xf**2, -1) + eps)``; NaN where the float32 mean square is not finite (it
+    overflows from about |x| = 1.8e19: a NaN row, not a silent zero)."""
     ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
-    return (xf * jax.lax.rsqrt(ms + eps) * weight.astype(jnp.float32)).astype(x.dtype)
+    return jnp.where(ms < jnp.inf, jax.lax.rsqrt(ms + eps), jnp.nan)
+
+
+def rmsnorm(x, weight, eps):
+    """``x * rsqrt(mean(x**2, -1) + eps) * weight`` in float32, cast to ``x.dtype``; a row whose
+    float32 sum of squares is not finite is NaN."""
+    xf = x.astype(jnp.float32)
+    return (xf * _inv_rms(xf, eps) * weight.astype(jnp.float32)).astype(x.dtype)
 
 
 def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps, kv_eps):
@@ -45,8 +52,7 @@ def activation_fn(name):
 
 def _gated_f32(x, weight, gate, eps, activation):
     xf = x.astype(jnp.float32)
-    ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
-    y = xf * jax.lax.rsqrt(ms + eps) * weight.astype(jnp.float32)
+    y = xf * _inv_rms(xf, eps) * weight.astype(jnp.float32)
     return y * activation_fn(activation)(gate.astype(jnp.float32))
 
 
@@ -60,15 +66,15 @@ def per_token_fp8_quant(y, fp8_dtype, fp8_max, min_scale, scale_ub):
 
     ``amax = max|y|`` over the row; ``scale = max(min(amax, scale_ub) / fp8_max, min_scale)``;
     ``data = clamp(y / scale, -fp8_max, fp8_max).astype(fp8_dtype)`` (XLA's cast rounds to nearest
-    even). A row holding a NaN gets a NaN scale (made explicit: XLA's CPU max-reduction can drop
-    NaN). Returns ``(data [..., N], scale [..., 1] float32)``.
+    even). A row holding a NaN or an infinity gets a NaN scale and NaN codes (made explicit: XLA's
+    CPU max-reduction can drop NaN). Returns ``(data [..., N], scale [..., 1] float32)``.
     """
     y = y.astype(jnp.float32)
     amax = jnp.max(jnp.abs(y), axis=-1, keepdims=True)
     if scale_ub is not None:
         amax = jnp.minimum(amax, scale_ub)
     scale = jnp.maximum(amax / fp8_max, min_scale)
-    scale = jnp.where(jnp.any(jnp.isnan(y), axis=-1, keepdims=True), jnp.nan, scale)
+    scale = jnp.where(jnp.all(jnp.isfinite(y), axis=-1, keepdims=True), scale, jnp.nan)
     data = jnp.clip(y / scale, -fp8_max, fp8_max).astype(fp8_dtype)
     return data, scale
 

@@ -83,4 +83,9 @@ def test_quick_mode_end_to_end(tmp_path):
                     "config", "dtype", "clock"):
             assert key in r, key
         assert r["median_us"] > 0 and r["bytes"] > 0
-    assert (out / "results.md").read_text().startswith("# k3pallas benchmark")
+    md = (out / "results.md").read_text()
+    assert md.startswith("# k3pallas benchmark")
+    assert not (out / "results.png").exists()  # no bandwidth plot of CPU wall-clock numbers
+    gbs = [line.split("|")[3].strip() for line in md.splitlines() if line.startswith("| 1 |")]
+    assert gbs and all(float(g) > 0 for g in gbs), gbs  # small figures keep their digits
+    assert "wall-clock: kernels not counted on the CPU" in proc.stderr

@@ -75,8 +75,8 @@ def test_leading_shape(rng, cpu_impl):
 
 @pytest.mark.parametrize("kwargs,err,match", [
     (dict(q_size=1536, kv_size=600), ValueError, "must hold q_size"),
-    (dict(q_size=0), ValueError, "q_size must be a Python int >= 1"),
-    (dict(kv_size=512.0), ValueError, "kv_size must be a Python int"),
+    (dict(q_size=0), ValueError, "q_size must be an integer >= 1"),
+    (dict(kv_size=512.0), ValueError, "kv_size must be an integer"),
     (dict(eps=-1.0), ValueError, "eps"),
     (dict(impl="cuda"), ValueError, "impl must be one of"),
 ])

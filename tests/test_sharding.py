@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from xml.etree import ElementTree
 
 import pytest
 
@@ -13,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
-def test_sharded_ops_on_8_virtual_devices(partitioner):
+def test_sharded_ops_on_8_virtual_devices(partitioner, tmp_path):
     """Under Shardy (jax's default) and under GSPMD (``jax_use_shardy_partitioner=False``)."""
     env = dict(os.environ)
     env["JAX_USE_SHARDY_PARTITIONER"] = "true" if partitioner == "shardy" else "false"
@@ -21,10 +22,15 @@ def test_sharded_ops_on_8_virtual_devices(partitioner):
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.path.join(ROOT, "tests"),
                                                     env.get("PYTHONPATH")) if p)
+    report = tmp_path / "report.xml"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-         os.path.join(ROOT, "tests", "multidevice", "sharded_ops.py")],
+         f"--junitxml={report}", os.path.join(ROOT, "tests", "multidevice", "sharded_ops.py")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     print(proc.stdout[-6000:])
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.split("\n")[-2]
+    suite = ElementTree.parse(report).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {k: int(suite.get(k)) for k in ("tests", "failures", "errors", "skipped")}
+    assert counts["tests"] >= 20 and counts["failures"] == counts["errors"] == 0, counts
+    assert counts["skipped"] == 0, counts  # every multi-device test ran on the 8 devices

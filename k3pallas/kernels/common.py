@@ -100,6 +100,16 @@ def row_mask(n_rows: int, rows: int, nd: int):
     return r.reshape((rows,) + (1,) * (nd - 1)) < n_rows
 
 
+def inv_rms(ms, eps):
+    """``rsqrt(ms + eps)`` for a row's float32 mean square ``ms``, NaN where ``ms`` is not finite.
+
+    ``ms`` overflows to inf once the row's sum of squares passes the float32 range (some ``|x|``
+    of about 1.8e19 and up, or an inf): ``rsqrt`` would then give 0 and the row a silent zero.
+    A NaN row says that it is out of range instead. One compare and select per row.
+    """
+    return jnp.where(ms < jnp.inf, jax.lax.rsqrt(ms + eps), jnp.nan)
+
+
 def both(a, b):
     if a is None:
         return b
@@ -188,5 +198,5 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
     )(*inputs)
 
 
-__all__ = ["pow2", "pow2_parts", "tile_index", "lane_index", "row_mask", "both", "load", "store", "row_call",
+__all__ = ["pow2", "pow2_parts", "tile_index", "lane_index", "row_mask", "inv_rms", "both", "load", "store", "row_call",
            "check_offsets", "poisoned_outputs"]

@@ -18,7 +18,10 @@ reference's semantics:
   ``scale >= amax / fp8_max``, so ``|y / scale|`` exceeds ``fp8_max`` only by rounding, which
   round-to-nearest-even returns to ``fp8_max``;
 * a NaN reaches the scale through a per-row sum of ``|y|`` (Triton's max-reduction drops NaN;
-  a sum keeps it), one add per element;
+  a sum keeps it), one add per element; an infinity through the max; either makes the token's
+  scale NaN (and so its codes);
+* a head whose float32 sum of squares overflows (``|x|`` from about 1.8e19) is NaN, not zero
+  (``common.inv_rms``), so that token's scale is NaN too;
 * padded lanes load ``x = 0``, ``gate = 0`` and ``weight = 0``, so ``y = 0`` there: they cannot
   raise the amax or fake a NaN, and need no mask in the reductions.
 
@@ -63,10 +66,13 @@ def _row_scale(tiles, q: fp8_lib.Fp8Params):
         m, s = _row_reduce(jnp.max, a), _row_reduce(jnp.sum, a)
         amax = m if amax is None else jnp.maximum(amax, m)
         total = s if total is None else total + s
+    # A NaN (the sum keeps it; Triton's max drops it) or an infinity (the max keeps it) anywhere
+    # in the row: NaN scale, hence NaN codes. Per-row tests only.
+    nonfinite = (total != total) | (amax == jnp.inf)
     if q.scale_ub is not None:
         amax = jnp.minimum(amax, q.scale_ub)
     scale = jnp.maximum(amax / q.fp8_max, q.min_scale)
-    return jnp.where(total != total, jnp.nan, scale)  # NaN anywhere in the row
+    return jnp.where(nonfinite, jnp.nan, scale)
 
 
 def _codes(y, inv_scale, q: fp8_lib.Fp8Params):
@@ -131,7 +137,7 @@ def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activati
     for index, mask, x, g in loaded:
         x = x.astype(jnp.float32)
         ms = jnp.sum(x * x, axis=-1, keepdims=True) / width
-        ys.append((index, mask, x * lax.rsqrt(ms + eps) * w * _activation(g.astype(jnp.float32), activation)))
+        ys.append((index, mask, x * common.inv_rms(ms, eps) * w * _activation(g.astype(jnp.float32), activation)))
     if quant is None:
         (o_ref,) = out_refs
         for index, mask, y in ys:

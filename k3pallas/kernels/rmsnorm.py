@@ -59,7 +59,7 @@ def _kernel(*refs, n_rows: int, rows: int, n_sources: int, segments: tuple[Segme
         if seg.eps is not None:
             x = x.astype(jnp.float32)
             ms = jnp.sum(x * x, axis=1, keepdims=True) / seg.width
-            x = x * jax.lax.rsqrt(ms + seg.eps) * w.astype(jnp.float32)[None, :]
+            x = x * common.inv_rms(ms, seg.eps) * w.astype(jnp.float32)[None, :]
         common.store(o_ref, index, x, mask)
 
 
