@@ -251,3 +251,40 @@ def enable_native_fnuz_cast() -> None:
 
     lowering.lower_jaxpr_to_triton_module = lower_marking_own_kernels
     _FNUZ_PATCHED.append(original)
+
+
+# ------------------------------------------------------------------------------------------------
+# What an operand's sharding is, where it is known when an op is called (k3pallas.api).
+# ------------------------------------------------------------------------------------------------
+
+
+def known_spec(a) -> tuple | None:
+    """The mesh axes sharding each dim of ``a`` where that is known at call time, else None.
+
+    A committed ``jax.Array`` (outside ``jax.jit``) knows its ``NamedSharding``; inside ``jit``
+    a traced value's type carries its sharding only for mesh axes of type ``Explicit`` (with
+    ``Auto`` axes XLA decides later, and the type says None for every dim). jax 0.10.2 - 0.12.
+    """
+    if isinstance(a, jax.core.Tracer):
+        sharding = getattr(jax.typeof(a), "sharding", None)
+    else:
+        sharding = getattr(a, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return None
+    spec = tuple(spec)
+    return spec + (None,) * (a.ndim - len(spec))
+
+
+def explicit_axes(a) -> tuple:
+    """The mesh axes of type ``Explicit`` that shard ``a`` in its type (inside ``jit`` or
+    eagerly), in order; empty for Auto meshes and unsharded arrays."""
+    sharding = getattr(jax.typeof(a), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())))
+    names = []
+    for entry in tuple(getattr(sharding, "spec", ()) or ()):
+        for axis in (entry if isinstance(entry, tuple) else (entry,)):
+            if axis is not None and types.get(axis) == jax.sharding.AxisType.Explicit:
+                names.append(axis)
+    return tuple(names)

@@ -228,6 +228,7 @@ def rmsnorm(x, weight, eps=1e-6, *, impl="auto"):
     _check_weight(op, "weight", weight, x.shape[-1], "x")
     eps = _check_eps(op, "eps", eps)
     impl = _resolve_impl(impl, op)
+    sharding.check_call_shardings(op, impl, [x], [(x, "the normalized (last) axis of x")])
     if impl == "reference":
         return _inference_only(op, lambda a, w: reference.rmsnorm(a, w, eps), x, weight)
     if math.prod(x.shape[:-1]) == 0:
@@ -263,6 +264,8 @@ def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None,
     eps = _check_eps(op, "eps", eps)
     kv_eps = eps if kv_eps is None else _check_eps(op, "kv_eps", kv_eps)
     impl = _resolve_impl(impl, op)
+    sharding.check_call_shardings(op, impl, [q_c, kv_c], [(q_c, "the last axis of q_c"),
+                                                          (kv_c, "the last axis of kv_c")])
     if impl == "reference":
         return _inference_only(
             op, lambda q, kv, wq, wkv: reference.fused_q_kv_rmsnorm(q, kv, wq, wkv, eps, kv_eps),
@@ -321,6 +324,7 @@ def mla_q_kv_norm(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_size=1
     eps = _check_eps(op, "eps", eps)
     kv_eps = eps if kv_eps is None else _check_eps(op, "kv_eps", kv_eps)
     impl = _resolve_impl(impl, op)
+    sharding.check_call_shardings(op, impl, [qkv_a], [(qkv_a, "the packed (last) axis of qkv_a")])
     lead = qkv_a.shape[:-1]
     if impl == "reference":
         return _inference_only(
@@ -401,6 +405,8 @@ def rmsnorm_gated(x, weight, gate, eps=1e-5, *, activation="sigmoid", impl="auto
     op = "rmsnorm_gated"
     eps = _check_gated(op, x, weight, gate, eps, activation)
     impl = _resolve_impl(impl, op)
+    sharding.check_call_shardings(op, impl, [x, gate], [(x, "the head dim (last axis) of x"),
+                                                        (gate, "the head dim (last axis) of gate")])
     if impl == "reference":
         return _inference_only(
             op, lambda a, w, g: reference.rmsnorm_gated(a, w, g, eps, activation), x, weight, gate)
@@ -430,6 +436,8 @@ def rmsnorm_gated_fp8_per_token(x, weight, gate, eps=1e-5, *, activation="sigmoi
     heads, dim = x.shape[-2:]
     groups = _check_groups(op, scale_groups, heads, "the number of heads")
     impl = _resolve_impl(impl, op)
+    sharding.check_call_shardings(op, impl, [x, gate], [(x, "the head dim (last axis) of x"),
+                                                        (gate, "the head dim (last axis) of gate")])
     lead = x.shape[:-2]
     # Groups of heads as rows of their own: [..., G, H / G, D].
     xg = x.reshape(lead + (groups, heads // groups, dim))
@@ -474,6 +482,7 @@ def per_token_fp8_quant(x, *, fp8_dtype=None, fp8_max=None, min_scale=None, scal
     n = x.shape[-1]
     groups = _check_groups(op, scale_groups, n, "the last dim of x")
     impl = _resolve_impl(impl, op)
+    sharding.check_call_shardings(op, impl, [x], [])
     lead = x.shape[:-1]
     xg = x.reshape(lead + (groups, n // groups))
     if impl == "reference":

@@ -206,6 +206,7 @@ _ELEMS_PER_THREAD_THROUGHPUT = {"cuda": 32, "rocm": 16}
 _PROGRAMS_PER_CORE_THROUGHPUT = 4
 _MAX_THREADS = 1024
 _MAX_ROWS = 64
+_INTERPRET_ROWS = 16
 
 
 def _pow2_floor(n: int) -> int:
@@ -226,9 +227,11 @@ def heuristic_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: i
     """
     del op  # one rule serves every row kernel today; the tuned table specializes per op
     if not target.is_gpu:
-        # Interpret mode runs the programs one after another: few, large programs are fastest.
-        rows = min(_MAX_ROWS, _pow2_floor(max(1, n_rows // 16)))
-        return LaunchConfig(rows_per_program=rows, num_warps=4, num_stages=1)
+        # Interpret mode runs the programs one after another, so large programs are fastest; but
+        # a fixed size, not one that grows with the token count: XLA's CPU reductions over a
+        # [R, ...] tile can round differently for another R, and results would then depend in
+        # the last bit on T (and on how tokens are sharded).
+        return LaunchConfig(rows_per_program=_INTERPRET_ROWS, num_warps=4, num_stages=1)
     rows = _pow2_floor(max(1, _ELEMS_PER_PROGRAM // max(1, row_elems)))
     rows = min(rows, _MAX_ROWS, _pow2_ceil(max(1, n_rows)))
     # Keep at least two programs per core while there are rows enough for that.

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["Rule", "partitioned", "max_over", "fp8_over_shards"]
+__all__ = ["Rule", "partitioned", "max_over", "fp8_over_shards", "check_call_shardings"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,36 @@ class Rule:
         ins, outs = self.spec.split("->")
         parse = lambda side: [tuple(t.split()) for t in side.split(",")]  # noqa: E731
         return parse(ins), parse(outs)
+
+
+def normalized_axis_error(op, what, axes) -> ValueError:
+    return ValueError(
+        f"{op}: {what} is sharded over mesh axes {axes!r}; that axis is normalized "
+        "(or quantized) whole and cannot be split across devices. Shard the leading "
+        "(token) axes, or the head axis where the op has one, and replicate this one.")
+
+
+def check_call_shardings(op, impl, row_operands, fixed) -> None:
+    """At call time, where the operands' shardings are known (``_compat.known_spec``):
+    ValueError if a normalized axis is sharded (``fixed``: ``[(array, what), ...]``, their last
+    axes), for every implementation; NotImplementedError for the kernel paths if a row operand
+    is sharded over ``Explicit`` mesh axes (Pallas kernels cannot index such arrays; the jnp
+    reference can)."""
+    from k3pallas import _compat
+
+    for a, what in fixed:
+        spec = _compat.known_spec(a)
+        if spec is not None and spec[-1] is not None:
+            raise normalized_axis_error(op, what, spec[-1])
+    if impl == "reference":
+        return
+    for a in row_operands:
+        axes = _compat.explicit_axes(a)
+        if axes:
+            raise NotImplementedError(
+                f"{op}: an operand is sharded over the mesh axes {axes}, of type Explicit; "
+                f"the kernels (impl={impl!r}) support meshes with AxisType.Auto axes (jax's "
+                "default) and shard_map. Use one of those, or impl='reference'.")
 
 
 def _spec_of(sharding, ndim):
@@ -75,10 +105,7 @@ def _plan(op, rule: Rule, mesh, arg_shapes, *, strict: bool):
                 factors.setdefault(f, s)
     for f, what in rule.fixed:
         if strict and factors.get(f) is not None:
-            raise ValueError(
-                f"{op}: {what} is sharded over mesh axes {factors[f]!r}; that axis is normalized "
-                "(or quantized) whole and cannot be split across devices. Shard the leading "
-                "(token) axes, or the head axis where the op has one, and replicate this one.")
+            raise normalized_axis_error(op, what, factors[f])
         factors.pop(f, None)
 
     def sharding(tensor):

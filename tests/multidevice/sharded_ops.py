@@ -117,16 +117,19 @@ def test_gated_fp8_head_sharded(mesh, impl, groups):
     x, g, w = rand(10, (32, 16, 32), scale=2), rand(11, (32, 16, 32)), rand(12, (32,), jnp.float32)
     x = x.at[3, 5, 7].set(jnp.nan)  # a NaN token: its scale must be NaN on every device
     fn = lambda x, w, g: kp.rmsnorm_gated_fp8_per_token(x, w, g, scale_groups=groups, impl=impl)  # noqa: E731
-    exact = impl != "reference"
+    kernel = impl != "reference"
+    # One scale over sharded heads (groups == 1) comes from a scale-only launch, whose float32
+    # arithmetic XLA compiles differently from the one-launch kernel: a few ulp apart (2 here,
+    # up to 4 on the H200), so a code may move one step at a tie. Otherwise bit for bit.
     qa = check(mesh, fn, (x, w, g), [("dp", "tp"), (), ("dp", "tp")],
-               expect_all_reduce=(groups == 1) if exact else None,
-               what=f"fp8, {groups} scale groups", exact=exact)
+               expect_all_reduce=(groups == 1) if kernel else None,
+               what=f"fp8, {groups} scale groups", exact=kernel and groups != 1)
     assert qa.scale.shape == (32, groups)
     nan_group = 5 // (16 // groups)
     scale = np.asarray(qa.scale)
     assert np.isnan(scale[3, nan_group]) and np.isnan(scale).sum() == 1
     check(mesh, fn, (x, w, g), [TOKENS, (), TOKENS], expect_all_reduce=False, what="fp8, tokens",
-          exact=exact)
+          exact=kernel)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -140,21 +143,59 @@ def test_per_token_fp8_sharded(mesh, impl, groups):
           what="columns over tp", exact=exact)
 
 
-@pytest.mark.parametrize("case", ["rmsnorm", "fused", "mla", "gated", "gated_fp8"])
-def test_sharded_normalized_axis_is_refused(mesh, case):
-    """Sharding the normalized axis is not supported: a clear error, never a silent gather."""
+NORMALIZED = {
+    "rmsnorm": (lambda a, w, impl: kp.rmsnorm(a, w, impl=impl), "normalized"),
+    "fused": (lambda a, w, impl: kp.fused_q_kv_rmsnorm(a, a, w, w, impl=impl), "last axis of q_c"),
+    "mla": (lambda a, w, impl: kp.mla_q_kv_norm(a, w[:32], w[:16], q_size=32, kv_size=16, impl=impl),
+            "packed"),
+    "gated": (lambda a, w, impl: kp.rmsnorm_gated(a, w, a, impl=impl), "head dim"),
+    "gated_fp8": (lambda a, w, impl: kp.rmsnorm_gated_fp8_per_token(a, w, a, impl=impl), "head dim"),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["auto"])
+@pytest.mark.parametrize("case", list(NORMALIZED))
+def test_sharded_normalized_axis_is_refused_at_call_time(mesh, case, impl):
+    """Where the sharding is known when the op is called (a sharded jax.Array, outside jit):
+    ValueError, for every implementation."""
     x, w = rand(14, (16, 8, 64)), rand(15, (64,))
-    fns = {
-        "rmsnorm": (lambda a, w: kp.rmsnorm(a, w, impl="interpret"), "normalized"),
-        "fused": (lambda a, w: kp.fused_q_kv_rmsnorm(a, a, w, w, impl="interpret"), "last axis of q_c"),
-        "mla": (lambda a, w: kp.mla_q_kv_norm(a, w[:32], w[:16], q_size=32, kv_size=16,
-                                              impl="interpret"), "packed"),
-        "gated": (lambda a, w: kp.rmsnorm_gated(a, w, a, impl="interpret"), "head dim"),
-        "gated_fp8": (lambda a, w: kp.rmsnorm_gated_fp8_per_token(a, w, a, impl="interpret"), "head dim"),
-    }
-    fn, match = fns[case]
-    with pytest.raises(Exception, match=match):
-        jax.jit(fn)(put(mesh, x, "dp", None, "tp"), w)
+    fn, match = NORMALIZED[case]
+    with pytest.raises(ValueError, match=match + ".*sharded over mesh axes 'tp'"):
+        fn(put(mesh, x, "dp", None, "tp"), w, impl)
+
+
+@pytest.mark.parametrize("case", list(NORMALIZED))
+def test_sharded_normalized_axis_under_jit(mesh, case):
+    """Under jax.jit with Auto axes the sharding is known only when XLA partitions the program:
+    the kernel paths fail to compile with jax's runtime error carrying the same ValueError text;
+    the jnp reference runs (XLA adds the communication) and equals the unsharded op."""
+    x, w = rand(14, (16, 8, 64)), rand(15, (64,))
+    fn, match = NORMALIZED[case]
+    with pytest.raises(jax.errors.JaxRuntimeError, match=f"ValueError: .*{match}.*cannot be split"):
+        jax.jit(functools.partial(fn, impl="interpret"))(put(mesh, x, "dp", None, "tp"), w)
+    ref = functools.partial(fn, impl="reference")
+    same(jax.jit(ref)(put(mesh, x, "dp", None, "tp"), w), jax.jit(ref)(x, w), case, exact=False)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_explicit_axis_mesh(impl):
+    """Meshes with AxisType.Explicit axes: the kernels raise NotImplementedError naming the
+    limitation; the jnp reference runs."""
+    from jax.sharding import AxisType
+
+    emesh = jax.make_mesh((2, TP), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
+    x, g, w = rand(16, (16, 8, 32)), rand(17, (16, 8, 32)), rand(18, (32,), jnp.float32)
+    xs, gs = put(emesh, x, "dp", "tp"), put(emesh, g, "dp", "tp")
+    set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
+    fn = lambda a, w, b: kp.rmsnorm_gated(a, w, b, impl=impl)  # noqa: E731
+    with set_mesh(emesh):
+        if impl == "reference":
+            same(jax.jit(fn)(xs, w, gs), kp.rmsnorm_gated(x, w, g, impl=impl), "explicit", exact=False)
+        else:
+            with pytest.raises(NotImplementedError, match="of type Explicit.*AxisType.Auto"):
+                jax.jit(fn)(xs, w, gs)
+            with pytest.raises(NotImplementedError, match="of type Explicit"):
+                kp.per_token_fp8_quant(put(emesh, x.reshape(16, -1), "dp", "tp"), impl=impl)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
