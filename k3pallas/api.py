@@ -350,8 +350,9 @@ _FP8_DOC = """
     Per-token FP8 (vLLM's dynamic per-token semantics), over the whole row:
     ``amax = max|y|``; ``scale = max(min(amax, scale_ub) / fp8_max, min_scale)``;
     ``data = round_to_nearest_even(clamp(y / scale, -fp8_max, fp8_max))``. A zero row gets
-    ``scale = min_scale`` and zero codes; a row holding NaN gets a NaN scale and NaN codes, and
-    no other row changes.
+    ``scale = min_scale`` and zero codes; a row holding a NaN or an infinity (or, in the gated
+    op, a head whose float32 sum of squares overflows) gets a NaN scale and NaN codes, and no
+    other row changes.
 
       fp8_dtype: ``float8_e4m3fn``, ``float8_e4m3fnuz`` or ``float8_e5m2``; default by device
         (``k3pallas.default_fp8_dtype``: e4m3fnuz on gfx94x, e4m3fn elsewhere).

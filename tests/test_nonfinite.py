@@ -5,6 +5,7 @@ Every other row is unchanged, bit for bit."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -91,3 +92,11 @@ def test_large_but_representable_values_keep_their_scale(rng):
     for impl in ("interpret", "reference"):
         qa = kp.per_token_fp8_quant(jnp.asarray(x), fp8_dtype="float8_e4m3fn", impl=impl)
         np.testing.assert_allclose(np.asarray(qa.scale)[:, 0], np.abs(x).max(axis=1) / 448.0, rtol=1e-6)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="documents XLA's CPU behaviour")
+def test_denormal_inputs_are_flushed_on_the_cpu():
+    """Documented: XLA on the CPU flushes float32 denormals; interpret and reference agree."""
+    x, w = jnp.full((2, 64), 1e-39, jnp.float32), jnp.ones(64, jnp.float32)
+    for impl in ("interpret", "reference"):
+        assert np.array_equal(np.asarray(kp.rmsnorm(x, w, impl=impl)), np.zeros((2, 64), np.float32))
