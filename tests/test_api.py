@@ -293,3 +293,39 @@ def test_inference_only_guard_and_no_custom_vjp(rng, op, impl):
     prims = _primitives(jax.make_jaxpr(lambda *a: fn(*a, impl=impl))(*args).jaxpr)
     assert "custom_jvp_call" in prims, prims
     assert not [p for p in prims if "custom_vjp" in p], prims
+
+
+def test_dequantize_per_scale_group(rng):
+    """scale [..., G]: each group of N / G columns is multiplied by its own scale."""
+    x = jnp.asarray(rng.standard_normal((3, 5, 256)) * np.linspace(0.1, 8, 256), jnp.float32)
+    qa = kp.per_token_fp8_quant(x, scale_groups=4, impl="interpret")
+    assert qa.scale.shape == (3, 5, 4)
+    deq = np.asarray(qa.dequantize())
+    want = (np.asarray(qa.data, np.float64).reshape(3, 5, 4, 64)
+            * np.asarray(qa.scale, np.float64)[..., None]).reshape(3, 5, 256)
+    np.testing.assert_allclose(deq, want, rtol=1e-6)
+    np.testing.assert_allclose(deq, np.asarray(x), rtol=0.07, atol=float(np.asarray(qa.scale).max()))
+    assert qa.dequantize(jnp.bfloat16).dtype == jnp.bfloat16
+    bad = kp.QuantizedActivation(qa.data, qa.scale[..., :3])
+    with pytest.raises(ValueError, match="does not fit data"):
+        bad.dequantize()
+
+
+def test_integral_options_and_the_fp8_rank_rule(rng):
+    x, w, g = _gated(rng, lead=(4,), h=4, d=32)
+    a = kp.rmsnorm_gated_fp8_per_token(x, w, g, scale_groups=np.int64(2), impl="interpret")
+    b = kp.rmsnorm_gated_fp8_per_token(x, w, g, scale_groups=2, impl="interpret")
+    assert np.array_equal(np.asarray(a.scale), np.asarray(b.scale))
+    q, kv, wq, wkv = _qkv(rng)
+    packed = jnp.concatenate([q, kv], axis=-1)
+    out = kp.mla_q_kv_norm(packed, wq, wkv, q_size=np.int32(64), kv_size=np.int64(16), impl="interpret")
+    assert out[0].shape == (4, 64) and out[2].shape == (4, 0)
+    with pytest.raises(ValueError, match="scale_groups must be an integer >= 1"):
+        kp.per_token_fp8_quant(q, scale_groups=True)
+    with pytest.raises(ValueError, match="scale_groups must be an integer >= 1"):
+        kp.per_token_fp8_quant(q, scale_groups=2.0)
+    with pytest.raises(ValueError, match=r"rank >= 3.*one token: x\[None\]"):
+        kp.rmsnorm_gated_fp8_per_token(x[0], w, g[0])  # [H, D]: which axis is the token?
+    with pytest.raises(ValueError, match=r"rank >= 3"):
+        kp.rmsnorm_gated_fp8_per_token(x.reshape(4, -1)[:, :32], w, g.reshape(4, -1)[:, :32])
+    assert kp.rmsnorm_gated_fp8_per_token(x[0][None], w, g[0][None]).scale.shape == (1, 1)
