@@ -13,7 +13,7 @@ Two compilers (``--compiler``):
   (``bench.rocm_xla`` runs there, one process per arch). This is the compiler a MI300X / MI355X
   user's jax runs: XLA's Triton fork, its pass pipeline, LLVM AMDGPU, and the HSACO it would load.
   It also compiles the Kimi-K3 blocks (``k3pallas.models.kimi_k3``) as whole programs and reports
-  what XLA makes of them (``--programs``).
+  what XLA makes of them (``--no-programs`` skips them).
 * ``triton``: the Triton IR that Pallas emits, compiled by the PyPI ``triton`` package (the
   ``rocm-check`` extra) for ``GPUTarget("hip", arch, 64)``. Kept for what the XLA path does not
   give: a second, independent compiler's figures (``both`` puts them side by side), and
@@ -144,10 +144,6 @@ def program_fn(name, tokens, target):
         params = jax.eval_shape(lambda: kimi_k3.init_kda_out(key, cfg))
     hd = jax.ShapeDtypeStruct((tokens, cfg.kda_heads, cfg.kda_head_dim), bf16)
     return (lambda p, o, g: kimi_k3.kda_out_fp8(p, o, g, cfg=cfg, impl="pallas"), [params, hd, hd])
-
-
-def _op_fn(op, cfg_name, t):
-    return case_fn({"op": op, "config": cfg_name, "tokens": t})
 
 
 def _encoder_kernel_ir(arch):
