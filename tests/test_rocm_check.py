@@ -195,3 +195,30 @@ def test_deviceless_rocm_patches_refuse_an_unknown_jax(monkeypatch):
     monkeypatch.setattr(_compat, "JAX_VERSION", (0, 11, 2))
     with pytest.raises(RuntimeError, match=r"written for jax 0\.12\.0; this is jax .*bench\.rocm_env"):
         _compat.rocm_deviceless_topology("", "gfx942", "MI300X")
+
+
+def test_amd_cost_model(tmp_path):
+    """The estimate's arithmetic on a synthetic gate result: bytes / bandwidth against
+    grid x waves x VALU / (CUs x clock), the larger wins."""
+    import json
+
+    from bench import amd_cost
+
+    devices = {"gfx942": {"core_count": 304, "clock_rate_ghz": 2.1}}
+    base = {"arch": "gfx942", "op": "per_token_fp8_quant", "config": "kimi-linear-kda",
+            "tokens": 65536, "grid": [65536, 1, 1], "num_warps": 1, "instructions": 200,
+            "vgpr": 40, "occupancy": 8}
+    gate = {"meta": {"devices": devices, "compiler": "test"},
+            "results": [{**base, "fp8_cast": "encoder", "valu": 400},
+                        {**base, "fp8_cast": "native", "valu": 100}]}
+    (row,) = amd_cost.table(gate)
+    mem = (65536 * 4096 * 3 + 4 * 65536) / 4.2e12 * 1e6
+    assert abs(row["encoder"]["memory_us"] - mem) < 1e-9
+    assert abs(row["encoder"]["valu_us"] - 65536 * 400 / (304 * 2.1e9) * 1e6) < 1e-9
+    assert row["encoder"]["bound"] == "memory" and row["encoder"]["predicted_us"] == row["encoder"]["memory_us"]
+    path = tmp_path / "gate.json"
+    path.write_text(json.dumps(gate))
+    assert amd_cost.main(["--gate", str(path), "--out", str(tmp_path)]) == 0
+    assert "ESTIMATE" in (tmp_path / "amd_cost_model.md").read_text()
+    path.write_text(json.dumps({"meta": {}, "results": []}))
+    assert amd_cost.main(["--gate", str(path), "--out", str(tmp_path)]) == 2
