@@ -45,7 +45,7 @@ from bench.report import write_report
 
 MIN_OCCUPANCY = 4
 ARCHS = ("gfx942", "gfx950")
-_FP8_CVT = re.compile(r"\b(v_cvt\w*(fp8|bf8)\w*)")
+FP8_CVT = re.compile(r"\b(v_cvt\w*(fp8|bf8)\w*)")  # the FP8 conversion instructions
 
 
 # ------------------------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def _resources(amdgcn: str) -> dict:
     code = [ln.strip() for ln in amdgcn.splitlines()
             if ln.startswith("\t") and ln.strip() and not ln.strip().startswith((".", ";"))
             and not ln.strip().endswith(":")]
-    cvt = sorted({m.group(1) for ln in code for m in [_FP8_CVT.search(ln)] if m})
+    cvt = sorted({m.group(1) for ln in code for m in [FP8_CVT.search(ln)] if m})
     return {"vgpr": field("vgpr_count"), "sgpr": field("sgpr_count"), "agpr": field("agpr_count"),
             "vgpr_spill": field("vgpr_spill_count"), "sgpr_spill": field("sgpr_spill_count"),
             "scratch": field("private_segment_fixed_size"),

@@ -28,7 +28,8 @@ import subprocess
 import sys
 import time
 
-_CVT = re.compile(r"\b(v_cvt\w*(?:fp8|bf8)\w*)")
+from bench.rocm_check import FP8_CVT
+
 LDS_PER_CU = {"gfx942": 65536, "gfx950": 163840}
 
 
@@ -83,7 +84,7 @@ def parse_code(dis: str, kernel: str) -> dict:
         code.append(line.strip().split()[0])
     last = max((i for i, op in enumerate(code) if op == "s_endpgm"), default=len(code) - 1)
     code = code[: last + 1]
-    cvt = [op for op in code if _CVT.match(op)]
+    cvt = [op for op in code if FP8_CVT.match(op)]
     return {"instructions": len(code), "valu": sum(op.startswith("v_") for op in code),
             "fp8_cvt": sorted(set(cvt)), "fp8_cvt_count": len(cvt),
             "undecoded": sum(op.startswith(".") for op in code),
