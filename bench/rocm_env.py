@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import json
 import os
@@ -126,8 +127,13 @@ def _plugin_libraries(py) -> list[str]:
     return libs
 
 
+@functools.lru_cache(maxsize=None)
+def _system_libraries() -> str:
+    return subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+
+
 def _system_has(soname: str) -> bool:
-    out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    out = _system_libraries()
     return f"{soname} " in out or f"/{soname}\n" in out
 
 

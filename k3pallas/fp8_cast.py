@@ -201,14 +201,14 @@ def _decide(dtype, fp8_cast, interpret, target) -> CastDecision:
     checked = _CHECKS.get(key)
     if checked is None:
         bad = self_check(dtype, interpret=interpret)
+        n = len(check_values(dtype))
         if bad:
-            shown = ", ".join(f"{v!r}: encoder 0x{e:02x} native 0x{n:02x}" for v, e, n in bad[:6])
+            shown = ", ".join(f"{v!r}: encoder 0x{e:02x} native 0x{c:02x}" for v, e, c in bad[:6])
             reason = (f"self-check on {where}: the native {dtype.name} conversion differs from the "
-                      f"encoder on {len(bad)} of {len(check_values(dtype))} values ({shown})")
+                      f"encoder on {len(bad)} of {n} values ({shown})")
             warnings.warn(f"k3pallas: {reason}; using the encoder", RuntimeWarning, stacklevel=3)
         else:
-            reason = (f"self-check on {where}: native and encoder agree on all "
-                      f"{len(check_values(dtype))} values")
+            reason = f"self-check on {where}: native and encoder agree on all {n} values"
         checked = CastDecision(not bad, "auto", where, dtype.name, reason, bad)
         _CHECKS[key] = checked
     if mode == "native" and not checked.native:
