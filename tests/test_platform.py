@@ -127,3 +127,20 @@ def test_device_platform_tells_cuda_from_rocm():
     assert kp.default_fp8_dtype(mi300) == jnp.dtype(jnp.float8_e4m3fnuz)
     assert kp.default_fp8_dtype(mi355) == jnp.dtype(jnp.float8_e4m3fn)
     assert kp.default_fp8_dtype(h200) == jnp.dtype(jnp.float8_e4m3fn)
+
+
+def test_compiling_for_overrides_the_target():
+    """Ahead-of-time compilation for a device that is not attached (the XLA-ROCm gate)."""
+    import jax.numpy as jnp
+
+    import k3pallas as kp
+
+    here = platform.current_target()
+    gfx942 = platform.target_for("gfx942", "rocm")
+    with platform.compiling_for(gfx942):
+        assert platform.current_target() == gfx942
+        assert kp.default_fp8_dtype() == jnp.dtype(jnp.float8_e4m3fnuz)
+        with platform.compiling_for(platform.target_for("gfx950", "rocm")):
+            assert platform.current_target().arch == "gfx950"
+        assert platform.current_target() == gfx942
+    assert platform.current_target() == here
