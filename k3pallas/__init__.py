@@ -36,7 +36,7 @@ from k3pallas.fp8 import (
     QuantizedActivation,
     default_fp8_dtype,
 )
-from k3pallas.fp8_cast import decisions as fp8_cast_decisions
+from k3pallas.kernels.fp8_cast import decisions as fp8_cast_decisions
 from k3pallas.linear import fp8_linear, quantize_weight_per_channel
 from k3pallas.platform import current_target
 

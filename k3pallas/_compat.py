@@ -6,7 +6,6 @@ Nothing else in the package imports private jax internals or checks ``jax.__vers
 from __future__ import annotations
 
 import contextvars
-import re
 
 import jax
 from jax.experimental import pallas as pl  # noqa: F401  (re-exported for the kernel modules)
@@ -68,49 +67,6 @@ def abstract_target_device():
     """
     mesh = jax.sharding.get_abstract_mesh()
     return getattr(mesh, "abstract_device", None)
-
-
-def abstract_mesh(device_kind: str, platform: str):
-    """A one-device abstract mesh that targets ``device_kind`` on ``platform`` ("cuda" or "rocm").
-
-    Use it as ``with jax.sharding.use_abstract_mesh(abstract_mesh("gfx942", "rocm")):`` around
-    ``jax.jit(f).trace(...).lower(lowering_platforms=(platform,))`` to lower for a GPU that is not
-    attached. ``AxisType.Auto``: ``Explicit`` broke two-dimensional reductions in that mode.
-    """
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
-
-    return AbstractMesh(
-        (1,), ("x",), (AxisType.Auto,),
-        abstract_device=AbstractDevice(device_kind, 1, platform),
-    )
-
-
-def lower_for(fn, args, device_kind: str, platform: str):
-    """Lower ``jax.jit(fn)`` for ``args`` (arrays or ShapeDtypeStructs) on a GPU that is not here.
-
-    Returns the ``jax.stages.Lowered`` object; ``.as_text()`` gives the StableHLO module.
-    """
-    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
-    with jax.sharding.use_abstract_mesh(abstract_mesh(device_kind, platform)):
-        return jax.jit(fn).trace(*structs).lower(lowering_platforms=(platform,))
-
-
-_LAUNCH_FIELD = re.compile(r"\b(name|num_warps|num_stages|grid_x|grid_y|grid_z) = (\"[^\"]*\"|\d+)")
-
-
-def triton_launches(module_text: str) -> list[dict]:
-    """The Triton custom calls of a lowered module's text, with their launch parameters.
-
-    Each ``__gpu$xla.gpu.triton`` call carries ``name``, ``num_warps``, ``num_stages`` and
-    ``grid_x/y/z`` in its ``mhlo.backend_config`` dictionary (the IR itself is bytecode beside
-    them, key ``ir``).
-    """
-    launches = []
-    for chunk in module_text.split("__gpu$xla.gpu.triton")[1:]:
-        end = chunk.find("\n")
-        fields = dict(_LAUNCH_FIELD.findall(chunk[: end if end > 0 else None]))
-        launches.append({k: (v.strip('"') if k == "name" else int(v)) for k, v in fields.items()})
-    return launches
 
 
 def triton_ir_modules(lowered) -> list[dict]:

@@ -1,6 +1,7 @@
 """The public functions: check the arguments, pick the implementation, shape rows, and dispatch.
 
-No kernel code lives here. Every function:
+No kernel code lives here, and nothing generic: each function checks its arguments, brings them
+to the layout of its op's sharding rule, and calls ``k3pallas.ops.call``. Every function:
 
 * takes arrays positionally and options as keywords; options are static (Python values), so the
   functions work inside ``jax.jit`` and ``jax.vmap``;
@@ -8,7 +9,7 @@ No kernel code lives here. Every function:
   launching anything;
 * is inference-only: taking a gradient raises ``TypeError`` saying so;
 * runs sharded: its kernel path goes through ``k3pallas.sharding.partitioned`` with the op's
-  rule (below), so XLA splits it over devices instead of gathering the inputs;
+  rule (``k3pallas.ops``, the op table), so XLA splits it over devices instead of gathering;
 * chooses an implementation with ``impl``: ``"auto"`` (the Pallas kernel when the target is a GPU,
   cuda or rocm, else the jnp reference), ``"pallas"`` (the compiled kernel; RuntimeError on a
   backend without one, never a silent fallback), ``"interpret"`` (the same kernel in Pallas
@@ -17,27 +18,19 @@ No kernel code lives here. Every function:
 
 from __future__ import annotations
 
-import functools
-import math
 import numbers
 
 import jax
 import jax.numpy as jnp
 
 from k3pallas import fp8 as fp8_lib
-from k3pallas import platform
-from k3pallas import reference
-from k3pallas import sharding
 from k3pallas._checks import FLOAT_DTYPES, static_positive_float
 from k3pallas.fp8 import QuantizedActivation
-from k3pallas.sharding import Rule
-from k3pallas.kernels import gated_fp8 as gated_kernels
-from k3pallas.kernels import rmsnorm as rmsnorm_kernels
+from k3pallas.ops import IMPLS, call
 
 __all__ = ["rmsnorm", "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm_gated", "rmsnorm_gated_fp8_per_token",
            "per_token_fp8_quant", "IMPLS", "ACTIVATIONS"]
 
-IMPLS = ("auto", "pallas", "interpret", "reference")
 ACTIVATIONS = ("sigmoid", "silu")
 SUPPORTED_DTYPES = FLOAT_DTYPES
 
@@ -45,23 +38,6 @@ SUPPORTED_DTYPES = FLOAT_DTYPES
 # ------------------------------------------------------------------------------------------------
 # Argument checks (each error names the argument and what it got)
 # ------------------------------------------------------------------------------------------------
-
-
-def _resolve_impl(impl, op: str) -> str:
-    """The implementation that runs: "pallas", "interpret" or "reference"."""
-    if not isinstance(impl, str) or impl not in IMPLS:
-        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
-    if impl in ("interpret", "reference"):
-        return impl
-    target = platform.current_target()
-    if impl == "auto":
-        return "pallas" if target.is_gpu else "reference"
-    if not target.is_gpu:
-        raise RuntimeError(
-            f"{op}: impl='pallas' needs a GPU target (cuda or rocm); the target here is "
-            f"{target.backend!r}. Use impl='interpret' to run the kernel on the CPU, or "
-            "impl='reference' / 'auto' for the jnp version.")
-    return "pallas"
 
 
 def _check_array(op, name, a, *, min_rank=1, dtypes=SUPPORTED_DTYPES):
@@ -104,103 +80,6 @@ def _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast):
         raise type(e)(f"{op}: {e}") from None
 
 
-def _for_kernel(op, q, impl):
-    """``q`` with the FP8 conversion path decided for the kernel (``k3pallas.fp8_cast``)."""
-    try:
-        return q.for_kernel(interpret=impl == "interpret")
-    except RuntimeError as e:
-        raise RuntimeError(f"{op}: {e}") from None
-
-
-# ------------------------------------------------------------------------------------------------
-# Inference-only wrapper
-# ------------------------------------------------------------------------------------------------
-
-
-def _inference_only(op, fn, *arrays):
-    """Call ``fn(*arrays)``; any JVP or gradient through it raises TypeError."""
-    wrapped = jax.custom_jvp(fn)
-
-    def _no_gradient(primals, tangents):
-        raise TypeError(f"k3pallas.{op} is inference-only: it defines no gradient. Use the jnp "
-                        f"version in k3pallas.reference for training code.")
-
-    wrapped.defjvp(_no_gradient)
-    return wrapped(*arrays)
-
-
-def _rows(a, trailing: int):
-    """View ``a [..., *trailing dims]`` as ``[T, *trailing dims]``."""
-    lead = a.shape[: a.ndim - trailing]
-    return a.reshape((math.prod(lead),) + a.shape[a.ndim - trailing:])
-
-
-# ------------------------------------------------------------------------------------------------
-# The kernel paths on one device's arrays, and how they shard (k3pallas.sharding)
-# ------------------------------------------------------------------------------------------------
-
-_RMSNORM_RULE = Rule("... d, d -> ... d", fixed=(("d", "the normalized (last) axis of x"),))
-_FUSED_RULE = Rule("... q, ... k, q, k -> ... q, ... k",
-                   fixed=(("q", "the last axis of q_c"), ("k", "the last axis of kv_c")))
-_MLA_FIXED = (("w", "the packed (last) axis of qkv_a"),)
-_MLA_RULES = {True: Rule("... w, q, k -> ... q, ... k, ... r", fixed=_MLA_FIXED),
-              False: Rule("... w, q, k -> ... q, ... k", fixed=_MLA_FIXED)}
-_GATED_RULE = Rule("... h d, d, ... h d -> ... h d", fixed=(("d", "the head dim (last axis) of x"),))
-# x and gate as [..., G, H / G, D]: the scale reduces over j, the heads of a group.
-_GATED_FP8_RULE = Rule("... g j d, d, ... g j d -> ... g j d, ... g",
-                       fixed=(("d", "the head dim (last axis) of x"),), reduced=("j",))
-_QUANT_RULE = Rule("... g j -> ... g j, ... g", reduced=("j",))
-
-
-def _rmsnorm_local(x, w, *, eps, interpret, reduce_axes):
-    (y,) = rmsnorm_kernels.rmsnorm_rows([_rows(x, 1)], [w], [eps], op="rmsnorm",
-                                        interpret=interpret)
-    return y.reshape(x.shape)
-
-
-def _fused_local(q, kv, wq, wkv, *, eps, kv_eps, interpret, reduce_axes):
-    q_out, kv_out = rmsnorm_kernels.rmsnorm_rows([_rows(q, 1), _rows(kv, 1)], [wq, wkv],
-                                                 [eps, kv_eps], op="fused_q_kv_rmsnorm",
-                                                 interpret=interpret)
-    return q_out.reshape(q.shape), kv_out.reshape(kv.shape)
-
-
-def _mla_local(a, wq, wkv, *, q_size, kv_size, eps, kv_eps, interpret, reduce_axes):
-    rope = a.shape[-1] - q_size - kv_size
-    segments = [rmsnorm_kernels.Segment(0, 0, q_size, eps),
-                rmsnorm_kernels.Segment(0, q_size, kv_size, kv_eps)]
-    if rope:
-        segments.append(rmsnorm_kernels.Segment(0, q_size + kv_size, rope, None))
-    outs = rmsnorm_kernels.segments_rows([_rows(a, 1)], segments, [wq, wkv], op="mla_q_kv_norm",
-                                         interpret=interpret)
-    return tuple(o.reshape(a.shape[:-1] + (o.shape[-1],)) for o in outs)
-
-
-def _gated_local(x, w, g, *, eps, activation, interpret, reduce_axes):
-    y = gated_kernels.rmsnorm_gated_rows(_rows(x, 2), _rows(g, 2), w, eps=eps,
-                                         activation=activation, quant=None, interpret=interpret)
-    return y.reshape(x.shape)
-
-
-def _gated_fp8_local(x, w, g, *, eps, activation, quant, interpret, reduce_axes):
-    """x, g ``[..., G, j, D]`` -> (codes of that shape, scale ``[..., G]``). With the heads of a
-    group split over devices (``reduce_axes``): the scale of each device's heads, their maximum
-    across the devices, then the codes with it."""
-    launch = functools.partial(gated_kernels.rmsnorm_gated_rows, _rows(x, 2), _rows(g, 2), w,
-                               eps=eps, activation=activation, quant=quant, interpret=interpret)
-    codes, scale = sharding.fp8_over_shards(launch, reduce_axes)
-    return codes.reshape(x.shape), scale.reshape(x.shape[:-2])
-
-
-def _quant_local(x, *, quant, interpret, reduce_axes):
-    """x ``[..., G, j]`` -> (codes of that shape, scale ``[..., G]``); ``reduce_axes`` as in
-    ``_gated_fp8_local``."""
-    launch = functools.partial(gated_kernels.per_token_fp8_rows, _rows(x, 1), quant=quant,
-                               interpret=interpret)
-    codes, scale = sharding.fp8_over_shards(launch, reduce_axes)
-    return codes.reshape(x.shape), scale.reshape(x.shape[:-1])
-
-
 # ------------------------------------------------------------------------------------------------
 # Joint q/kv RMSNorm and RMSNorm
 # ------------------------------------------------------------------------------------------------
@@ -227,15 +106,7 @@ def rmsnorm(x, weight, eps=1e-6, *, impl="auto"):
     _check_array(op, "x", x)
     _check_weight(op, "weight", weight, x.shape[-1], "x")
     eps = _check_eps(op, "eps", eps)
-    impl = _resolve_impl(impl, op)
-    sharding.check_call_shardings(op, impl, [x], [(x, "the normalized (last) axis of x")])
-    if impl == "reference":
-        return _inference_only(op, lambda a, w: reference.rmsnorm(a, w, eps), x, weight)
-    if math.prod(x.shape[:-1]) == 0:
-        return jnp.zeros(x.shape, x.dtype)
-    run = sharding.partitioned(op, _RMSNORM_RULE, _rmsnorm_local, eps=eps,
-                               interpret=impl == "interpret")
-    return _inference_only(op, run, x, weight)
+    return call(op, impl, (x, weight), dict(eps=eps))
 
 
 def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, impl="auto"):
@@ -263,18 +134,7 @@ def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None,
     _check_weight(op, "kv_weight", kv_weight, kv_c.shape[-1], "kv_c")
     eps = _check_eps(op, "eps", eps)
     kv_eps = eps if kv_eps is None else _check_eps(op, "kv_eps", kv_eps)
-    impl = _resolve_impl(impl, op)
-    sharding.check_call_shardings(op, impl, [q_c, kv_c], [(q_c, "the last axis of q_c"),
-                                                          (kv_c, "the last axis of kv_c")])
-    if impl == "reference":
-        return _inference_only(
-            op, lambda q, kv, wq, wkv: reference.fused_q_kv_rmsnorm(q, kv, wq, wkv, eps, kv_eps),
-            q_c, kv_c, q_weight, kv_weight)
-    if math.prod(q_c.shape[:-1]) == 0:
-        return jnp.zeros(q_c.shape, q_c.dtype), jnp.zeros(kv_c.shape, kv_c.dtype)
-    run = sharding.partitioned(op, _FUSED_RULE, _fused_local, eps=eps, kv_eps=kv_eps,
-                               interpret=impl == "interpret")
-    return tuple(_inference_only(op, run, q_c, kv_c, q_weight, kv_weight))
+    return tuple(call(op, impl, (q_c, kv_c, q_weight, kv_weight), dict(eps=eps, kv_eps=kv_eps)))
 
 
 def _check_size(op, name, value, minimum):
@@ -323,22 +183,10 @@ def mla_q_kv_norm(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_size=1
     _check_weight(op, "kv_weight", kv_weight, kv_size, "kv_c (kv_size)")
     eps = _check_eps(op, "eps", eps)
     kv_eps = eps if kv_eps is None else _check_eps(op, "kv_eps", kv_eps)
-    impl = _resolve_impl(impl, op)
-    sharding.check_call_shardings(op, impl, [qkv_a], [(qkv_a, "the packed (last) axis of qkv_a")])
-    lead = qkv_a.shape[:-1]
-    if impl == "reference":
-        return _inference_only(
-            op, lambda a, wq, wkv: reference.mla_q_kv_norm(a, wq, wkv, eps, kv_eps, q_size, kv_size),
-            qkv_a, q_weight, kv_weight)
-    widths = (q_size, kv_size, rope)
-    if math.prod(lead) == 0:
-        return tuple(jnp.zeros(lead + (w,), qkv_a.dtype) for w in widths)
-    run = sharding.partitioned(op, _MLA_RULES[bool(rope)], _mla_local, q_size=q_size,
-                               kv_size=kv_size, eps=eps, kv_eps=kv_eps,
-                               interpret=impl == "interpret")
-    outs = tuple(_inference_only(op, run, qkv_a, q_weight, kv_weight))
-    if not rope:
-        outs = outs + (jnp.zeros(lead + (0,), qkv_a.dtype),)
+    outs = tuple(call(op, impl, (qkv_a, q_weight, kv_weight),
+                      dict(q_size=q_size, kv_size=kv_size, eps=eps, kv_eps=kv_eps)))
+    if len(outs) == 2:  # no rope part: the kernel writes none
+        outs += (jnp.zeros(qkv_a.shape[:-1] + (0,), qkv_a.dtype),)
     return outs
 
 
@@ -405,17 +253,7 @@ def rmsnorm_gated(x, weight, gate, eps=1e-5, *, activation="sigmoid", impl="auto
     """
     op = "rmsnorm_gated"
     eps = _check_gated(op, x, weight, gate, eps, activation)
-    impl = _resolve_impl(impl, op)
-    sharding.check_call_shardings(op, impl, [x, gate], [(x, "the head dim (last axis) of x"),
-                                                        (gate, "the head dim (last axis) of gate")])
-    if impl == "reference":
-        return _inference_only(
-            op, lambda a, w, g: reference.rmsnorm_gated(a, w, g, eps, activation), x, weight, gate)
-    if math.prod(x.shape[:-2]) == 0:
-        return jnp.zeros(x.shape, x.dtype)
-    run = sharding.partitioned(op, _GATED_RULE, _gated_local, eps=eps, activation=activation,
-                               interpret=impl == "interpret")
-    return _inference_only(op, run, x, weight, gate)
+    return call(op, impl, (x, weight, gate), dict(eps=eps, activation=activation))
 
 
 def _check_groups(op, scale_groups, n, what):
@@ -436,25 +274,11 @@ def rmsnorm_gated_fp8_per_token(x, weight, gate, eps=1e-5, *, activation="sigmoi
     q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
     heads, dim = x.shape[-2:]
     groups = _check_groups(op, scale_groups, heads, "the number of heads")
-    impl = _resolve_impl(impl, op)
-    sharding.check_call_shardings(op, impl, [x, gate], [(x, "the head dim (last axis) of x"),
-                                                        (gate, "the head dim (last axis) of gate")])
     lead = x.shape[:-2]
     # Groups of heads as rows of their own: [..., G, H / G, D].
     xg = x.reshape(lead + (groups, heads // groups, dim))
-    gg = gate.reshape(xg.shape)
-    if impl == "reference":
-        data, scale = _inference_only(
-            op, lambda a, w, g: reference.rmsnorm_gated_fp8_per_token(
-                a, w, g, eps, activation, q.dtype, q.fp8_max, q.min_scale, q.scale_ub),
-            xg, weight, gg)
-    elif math.prod(lead) == 0:
-        data, scale = jnp.zeros(lead + (heads * dim,), q.dtype), jnp.zeros(lead + (groups,), jnp.float32)
-    else:
-        run = sharding.partitioned(op, _GATED_FP8_RULE, _gated_fp8_local, eps=eps,
-                                   activation=activation, quant=_for_kernel(op, q, impl),
-                                   interpret=impl == "interpret")
-        data, scale = _inference_only(op, run, xg, weight, gg)
+    data, scale = call(op, impl, (xg, weight, gate.reshape(xg.shape)),
+                       dict(eps=eps, activation=activation, fp8=q), originals=(x, weight, gate))
     return QuantizedActivation(data.reshape(lead + (heads * dim,)), scale.reshape(lead + (groups,)))
 
 
@@ -482,20 +306,9 @@ def per_token_fp8_quant(x, *, fp8_dtype=None, fp8_max=None, min_scale=None, scal
     q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
     n = x.shape[-1]
     groups = _check_groups(op, scale_groups, n, "the last dim of x")
-    impl = _resolve_impl(impl, op)
-    sharding.check_call_shardings(op, impl, [x], [])
     lead = x.shape[:-1]
-    xg = x.reshape(lead + (groups, n // groups))
-    if impl == "reference":
-        data, scale = _inference_only(
-            op, lambda a: reference.per_token_fp8_quant(a, q.dtype, q.fp8_max, q.min_scale,
-                                                        q.scale_ub), xg)
-    elif math.prod(lead) == 0:
-        data, scale = jnp.zeros(x.shape, q.dtype), jnp.zeros(lead + (groups,), jnp.float32)
-    else:
-        run = sharding.partitioned(op, _QUANT_RULE, _quant_local, quant=_for_kernel(op, q, impl),
-                                   interpret=impl == "interpret")
-        data, scale = _inference_only(op, run, xg)
+    data, scale = call(op, impl, (x.reshape(lead + (groups, n // groups)),), dict(fp8=q),
+                       originals=(x,))
     return QuantizedActivation(data.reshape(x.shape), scale.reshape(lead + (groups,)))
 
 

@@ -118,16 +118,7 @@ class Fp8Params:
     fp8_max: float
     min_scale: float
     scale_ub: float | None
-    cast: str = "auto"  # the requested conversion path (k3pallas.fp8_cast.MODES)
-    native_cast: bool = False  # kernels: the lowering's own cast instead of encode_fp8
-
-    def for_kernel(self, interpret: bool) -> "Fp8Params":
-        """These params with ``native_cast`` decided for the kernel about to be built
-        (``k3pallas.fp8_cast.decide``: may run the device self-check once)."""
-        from k3pallas import fp8_cast
-
-        decision = fp8_cast.decide(self.dtype, self.cast, interpret=interpret)
-        return dataclasses.replace(self, native_cast=decision.native)
+    cast: str = "auto"  # the requested float32 -> FP8 conversion (k3pallas.kernels.fp8_cast)
 
 
 def resolve_fp8_params(fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None, *,
@@ -135,10 +126,10 @@ def resolve_fp8_params(fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=No
     """Fill in the defaults (dtype by device, fp8_max by dtype, min_scale by fp8_max) and check.
 
     ``fp8_max`` may not exceed the format's largest finite value (448 / 240 / 57344): a larger one
-    would overflow the format after the clamp. ``fp8_cast``: see ``k3pallas.fp8_cast`` (checked
-    here, decided per kernel by ``Fp8Params.for_kernel``).
+    would overflow the format after the clamp. ``fp8_cast``: see ``k3pallas.kernels.fp8_cast`` (checked
+    here, decided by the kernel backend when it builds a kernel).
     """
-    from k3pallas import fp8_cast as cast_lib
+    from k3pallas.kernels import fp8_cast as cast_lib
     from k3pallas import platform
 
     target = platform.current_target() if target is None else target

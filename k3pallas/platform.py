@@ -1,16 +1,12 @@
-"""Where the kernels run, and how they are launched there.
-
-Two things live here and nowhere else:
+"""Where the kernels run: the target device.
 
 * ``Target``: the backend (``cpu``, ``cuda``, ``rocm``), the GPU architecture (``sm_90``,
   ``gfx942``, ``gfx950``, ...), the warp size (32 on NVIDIA and RDNA, a 64-wide wavefront on
   CDNA: MI300X, MI325X, MI355X) and the number of SMs / CUs. ``current_target()`` reads it from
   the abstract mesh in scope (deviceless lowering for a GPU that is not attached) or else from
   jax's default device.
-* ``LaunchConfig`` and ``launch_config()``: rows per program, ``num_warps`` and ``num_stages``
-  for every kernel, as one pure function of the op, the row count, the padded row size and the
-  target, with a tuned table (``tuned_configs.json``, written by ``python -m bench.tune``) that
-  takes precedence where it has an entry. Kernels never hold launch constants of their own.
+How a kernel is launched there (rows per program, warps) is the kernel backend's business:
+``k3pallas.kernels.launch``.
 """
 
 from __future__ import annotations
@@ -18,9 +14,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
-import json
-import math
 import os
 import re
 
@@ -28,7 +21,7 @@ import jax
 
 from k3pallas import _compat
 
-__all__ = ["Target", "LaunchConfig", "current_target", "target_for", "device_platform", "launch_config", "KNOWN_TARGETS"]
+__all__ = ["Target", "current_target", "target_for", "target_from_name", "device_platform", "compiling_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,12 +55,6 @@ _CORES = {
     "gfx942": 304, "gfx950": 256, "gfx90a": 104,
 }
 
-# The targets the deviceless tests, the ROCm compile gate and the docs talk about.
-KNOWN_TARGETS = {
-    "h200": ("NVIDIA H200", "cuda"),
-    "gfx942": ("gfx942", "rocm"),
-    "gfx950": ("gfx950", "rocm"),
-}
 
 
 def _amd_warp_size(arch: str) -> int:
@@ -166,117 +153,3 @@ def current_target() -> Target:
     device = jax.devices()[0]
     return target_for(device.device_kind, device_platform(device),
                       getattr(device, "compute_capability", None))
-
-
-# ---------------------------------------------------------------------------------------------
-# Launch configurations
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchConfig:
-    rows_per_program: int  # power of two
-    num_warps: int  # warps (NVIDIA) or wavefronts (AMD) per program
-    num_stages: int = 1  # the row kernels have no loop to pipeline; kept explicit for the sweep
-
-    def __post_init__(self):
-        for name in ("rows_per_program", "num_warps"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"LaunchConfig.{name} must be a power of two >= 1, got {value}")
-        if self.num_stages < 1:
-            raise ValueError(f"LaunchConfig.num_stages must be >= 1, got {self.num_stages}")
-
-
-OPS = ("rmsnorm", "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm_gated", "rmsnorm_gated_fp8", "per_token_fp8_quant")
-
-# Heuristic constants. Elements a program handles (summed over the tiles it loads), and elements
-# per thread of its largest tile: few per thread while the grid is too small to fill the GPU
-# (spread the latency chain of one row over many threads), many once it is large (fewer threads
-# per row means cheaper cross-warp reductions; occupancy comes from the many programs). From the
-# H200 sweep (bench/results/tune.md): fused q/kv at T = 65536 ran 129 us with 1 warp per row
-# against 162 us with 8; the gated FP8 kernel at T = 1 ran 2.0 us with 16 warps against 6.9 with 1.
-#
-# On AMD the throughput regime holds 16 elements per thread: at 32 the 96-head FP8 kernel needed
-# 134 VGPRs on gfx942 / gfx950 (occupancy 3 waves per SIMD, under the ROCm compile gate's 4);
-# at 16 every kernel keeps >= 4 (bench/results/rocm_check.md).
-_ELEMS_PER_PROGRAM = 4096
-_ELEMS_PER_THREAD_LATENCY = 8
-_ELEMS_PER_THREAD_THROUGHPUT = {"cuda": 32, "rocm": 16}
-_PROGRAMS_PER_CORE_THROUGHPUT = 4
-_MAX_THREADS = 1024
-_MAX_ROWS = 64
-_INTERPRET_ROWS = 16
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(1, int(n)).bit_length() - 1)
-
-
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def heuristic_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int,
-                     target: Target) -> LaunchConfig:
-    """The default launch config: a pure function of the problem and the target.
-
-    ``row_elems``: elements one row loads over all its tiles (padded to powers of two);
-    ``max_tile_row_elems``: the largest single tile's row (tiles are processed one after another,
-    so the largest decides the registers per thread).
-    """
-    del op  # one rule serves every row kernel today; the tuned table specializes per op
-    if not target.is_gpu:
-        # Interpret mode runs the programs one after another, so large programs are fastest; but
-        # a fixed size, not one that grows with the token count: XLA's CPU reductions over a
-        # [R, ...] tile can round differently for another R, and results would then depend in
-        # the last bit on T (and on how tokens are sharded).
-        return LaunchConfig(rows_per_program=_INTERPRET_ROWS, num_warps=4, num_stages=1)
-    rows = _pow2_floor(max(1, _ELEMS_PER_PROGRAM // max(1, row_elems)))
-    rows = min(rows, _MAX_ROWS, _pow2_ceil(max(1, n_rows)))
-    # Keep at least two programs per core while there are rows enough for that.
-    while rows > 1 and math.ceil(n_rows / rows) < 2 * target.num_cores:
-        rows //= 2
-    programs = math.ceil(n_rows / rows)
-    per_thread = (_ELEMS_PER_THREAD_THROUGHPUT.get(target.backend, 32)
-                  if programs >= _PROGRAMS_PER_CORE_THROUGHPUT * target.num_cores
-                  else _ELEMS_PER_THREAD_LATENCY)
-    warp = max(1, target.warp_size)
-    threads = max(1, rows * max_tile_row_elems // per_thread)
-    num_warps = _pow2_floor(max(1, min(threads, _MAX_THREADS) // warp))
-    return LaunchConfig(rows_per_program=rows, num_warps=num_warps, num_stages=1)
-
-
-_TUNED_PATH = os.path.join(os.path.dirname(__file__), "tuned_configs.json")
-
-
-@functools.lru_cache(maxsize=None)
-def tuned_table() -> dict:
-    """The sweep's choices: {arch: {op: [[max_rows, row_elems, rows, warps, stages], ...]}}.
-
-    Entries are looked up by (arch, op, exact padded row size) and the smallest ``max_rows`` bucket
-    that holds the row count. Missing file or entry: the heuristic decides.
-    """
-    try:
-        with open(_TUNED_PATH) as f:
-            table = json.load(f).get("configs", {})
-    except FileNotFoundError:
-        return {}
-    for ops in table.values():
-        for entries in ops.values():
-            entries.sort(key=lambda e: (e[1], e[0]))
-    return table
-
-
-def launch_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int | None = None,
-                  target: Target | None = None) -> LaunchConfig:
-    """The launch config for ``op`` on ``target`` (default: ``current_target()``)."""
-    if op not in OPS:
-        raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
-    target = current_target() if target is None else target
-    max_tile_row_elems = row_elems if max_tile_row_elems is None else max_tile_row_elems
-    for max_rows, elems, rows, warps, stages in tuned_table().get(target.arch, {}).get(op, []):
-        if elems == row_elems and n_rows <= max_rows:
-            rows = min(rows, _pow2_ceil(max(1, n_rows)))
-            return LaunchConfig(rows, warps, stages)
-    return heuristic_config(op, n_rows, row_elems, max_tile_row_elems, target)

@@ -61,14 +61,17 @@ def rmsnorm_gated(x, weight, gate, eps, activation):
     return _gated_f32(x, weight, gate, eps, activation).astype(x.dtype)
 
 
-def per_token_fp8_quant(y, fp8_dtype, fp8_max, min_scale, scale_ub):
-    """Dynamic per-token FP8 of ``y [..., N]`` (any float dtype; math in float32).
+def per_token_fp8_quant(y, fp8):
+    """Dynamic per-token FP8 of ``y [..., N]`` (any float dtype; math in float32), with the
+    resolved options ``fp8`` (``k3pallas.fp8.resolve_fp8_params``; its ``cast`` is the kernels'
+    business and ignored here: XLA's cast).
 
     ``amax = max|y|`` over the row; ``scale = max(min(amax, scale_ub) / fp8_max, min_scale)``;
     ``data = clamp(y / scale, -fp8_max, fp8_max).astype(fp8_dtype)`` (XLA's cast rounds to nearest
     even). A row holding a NaN or an infinity gets a NaN scale and NaN codes (made explicit: XLA's
     CPU max-reduction can drop NaN). Returns ``(data [..., N], scale [..., 1] float32)``.
     """
+    fp8_dtype, fp8_max, min_scale, scale_ub = fp8.dtype, fp8.fp8_max, fp8.min_scale, fp8.scale_ub
     y = y.astype(jnp.float32)
     amax = jnp.max(jnp.abs(y), axis=-1, keepdims=True)
     if scale_ub is not None:
@@ -79,9 +82,8 @@ def per_token_fp8_quant(y, fp8_dtype, fp8_max, min_scale, scale_ub):
     return data, scale
 
 
-def rmsnorm_gated_fp8_per_token(x, weight, gate, eps, activation, fp8_dtype, fp8_max, min_scale,
-                                scale_ub):
+def rmsnorm_gated_fp8_per_token(x, weight, gate, eps, activation, fp8):
     """``per_token_fp8_quant`` of the float32 gated RMSNorm of ``x [..., H, D]``, over all heads."""
     y = _gated_f32(x, weight, gate, eps, activation)
     y = y.reshape(*y.shape[:-2], y.shape[-2] * y.shape[-1])
-    return per_token_fp8_quant(y, fp8_dtype, fp8_max, min_scale, scale_ub)
+    return per_token_fp8_quant(y, fp8)

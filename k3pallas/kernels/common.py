@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 from typing import Sequence
 
@@ -21,7 +22,13 @@ import jax.numpy as jnp
 
 from k3pallas import _compat
 from k3pallas._compat import pl, plgpu
-from k3pallas.platform import LaunchConfig
+from k3pallas.kernels.launch import LaunchConfig
+
+
+def as_rows(a, trailing: int):
+    """View ``a [..., *trailing dims]`` as ``[T, *trailing dims]``."""
+    lead = a.shape[: a.ndim - trailing]
+    return a.reshape((math.prod(lead),) + a.shape[a.ndim - trailing:])
 
 
 def pow2(n: int) -> int:
@@ -128,22 +135,31 @@ def store(ref, index, value, mask):
     plgpu.store(ref.at[index], value.astype(ref.dtype), mask=mask)
 
 
-_POISON = contextvars.ContextVar("k3pallas_poison_outputs", default=False)
+@dataclasses.dataclass
+class RowCall:
+    """One launch as ``row_call`` is about to make it; a ``wrapping`` hook may change it."""
+
+    kernel: object  # the kernel body: refs in the order inputs, outputs
+    inputs: list
+    in_specs: list
+    out_shapes: list
+    row_spec: object  # shape -> the BlockSpec of an array with rows as its first axis
+    out_poison: list  # per output: a value that marks an unwritten element (NaN; a NaN fp8 code)
+    aliases: dict = dataclasses.field(default_factory=dict)  # input index -> output index
+
+
+_WRAP = contextvars.ContextVar("k3pallas_row_call_wrapper", default=None)
 
 
 @contextlib.contextmanager
-def poisoned_outputs():
-    """Testing aid: kernels traced inside start from outputs filled with a poison value.
-
-    Float outputs start as NaN and fp8 code outputs as a code that decodes to NaN (passed as
-    ``out_poison``), through ``input_output_aliases``; an element the kernel leaves unwritten then
-    shows up as NaN, on the GPU as well as in interpret mode.
-    """
-    token = _POISON.set(True)
+def wrapping(fn):
+    """Every launch traced inside goes through ``fn(RowCall) -> RowCall`` first (tooling:
+    ``k3pallas.testing.poisoned_outputs``)."""
+    token = _WRAP.set(fn)
     try:
         yield
     finally:
-        _POISON.reset(token)
+        _WRAP.reset(token)
 
 
 def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs, shared_inputs,
@@ -153,7 +169,7 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
     ``row_inputs`` and the arrays of ``out_shapes`` have rows as their first axis and are split
     into ``R``-row blocks; ``shared_inputs`` (weights) are whole in every program. The kernel
     receives refs in the order row inputs, shared inputs, outputs. ``out_poison``: per output, the
-    fill value under ``poisoned_outputs()`` (default NaN).
+    value that marks an element left unwritten (default NaN; see ``RowCall``).
     """
     rows = config.rows_per_program
 
@@ -170,33 +186,24 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
     if manual is not None:  # inside shard_map
         out_shapes = [jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=manual)
                       for o in out_shapes]
-    inputs = list(row_inputs) + list(shared_inputs)
-    in_specs = [row_spec(a.shape) for a in row_inputs] + [whole_spec(a.shape) for a in shared_inputs]
-    aliases = {}
-    body = kernel
-    if _POISON.get():
-        poison = out_poison or [float("nan")] * len(out_shapes)
-        n_in, n_out = len(inputs), len(out_shapes)
-        inputs += [jnp.full(o.shape, v, o.dtype) for o, v in zip(out_shapes, poison)]
-        in_specs += [row_spec(o.shape) for o in out_shapes]
-        aliases = {n_in + j: j for j in range(n_out)}
-
-        def skip_poison_refs(*refs):  # the aliased poison inputs are the outputs' refs
-            kernel(*refs[:n_in], *refs[n_in + n_out:])
-
-        body = skip_poison_refs
+    call = RowCall(kernel, list(row_inputs) + list(shared_inputs),
+                   [row_spec(a.shape) for a in row_inputs] + [whole_spec(a.shape) for a in shared_inputs],
+                   list(out_shapes), row_spec, list(out_poison or [float("nan")] * len(out_shapes)))
+    wrapper = _WRAP.get()
+    if wrapper is not None:
+        call = wrapper(call)
     return pl.pallas_call(
-        body,
+        call.kernel,
         grid=(pl.cdiv(n_rows, rows),),
-        in_specs=in_specs,
-        out_specs=[row_spec(o.shape) for o in out_shapes],
-        out_shape=list(out_shapes),
-        input_output_aliases=aliases,
+        in_specs=call.in_specs,
+        out_specs=[row_spec(o.shape) for o in call.out_shapes],
+        out_shape=call.out_shapes,
+        input_output_aliases=call.aliases,
         compiler_params=_compat.triton_compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name=name,
-    )(*inputs)
+    )(*call.inputs)
 
 
 __all__ = ["pow2", "pow2_parts", "tile_index", "lane_index", "row_mask", "inv_rms", "both", "load", "store", "row_call",
-           "check_offsets", "poisoned_outputs"]
+           "check_offsets", "as_rows", "RowCall", "wrapping"]

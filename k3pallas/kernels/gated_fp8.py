@@ -26,7 +26,7 @@ reference's semantics:
   raise the amax or fake a NaN, and need no mask in the reductions.
 
 FP8 codes come from the integer encoder ``k3pallas.fp8.encode_fp8`` (stored as uint8 and bitcast
-outside), or from the lowering's own cast (``native_codes``) where ``k3pallas.fp8_cast`` chose it
+outside), or from the lowering's own cast (``quant.native_codes``) where ``kernels.fp8_cast`` chose it
 after checking it against the encoder on the device (cheaper: about half the time at large T on an
 H200). Both round to nearest even.
 """
@@ -37,12 +37,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from k3pallas import fp8 as fp8_lib
-from k3pallas import platform
-from k3pallas._compat import pl
-from k3pallas.kernels import common
+from k3pallas import sharding
+from k3pallas.kernels import common, launch, quant as quant_lib, register
 
 _LOG2E = 1.4426950408889634
 
@@ -50,72 +48,6 @@ _LOG2E = 1.4426950408889634
 def _activation(g, name: str):
     sig = 1.0 / (1.0 + jnp.exp2(g * -_LOG2E))
     return sig if name == "sigmoid" else g * sig
-
-
-def _row_reduce(fn, a):
-    while a.ndim > 1:
-        a = fn(a, axis=-1)
-    return a
-
-
-def _row_scale(tiles, q: fp8_lib.Fp8Params):
-    """Per-row scale ``[R]`` over float32 tiles ``[R, ...]`` that together hold the rows."""
-    amax = total = None
-    for y in tiles:
-        a = jnp.abs(y)
-        m, s = _row_reduce(jnp.max, a), _row_reduce(jnp.sum, a)
-        amax = m if amax is None else jnp.maximum(amax, m)
-        total = s if total is None else total + s
-    # A NaN (the sum keeps it; Triton's max drops it) or an infinity (the max keeps it) anywhere
-    # in the row: NaN scale, hence NaN codes. Per-row tests only.
-    nonfinite = (total != total) | (amax == jnp.inf)
-    if q.scale_ub is not None:
-        amax = jnp.minimum(amax, q.scale_ub)
-    scale = jnp.maximum(amax / q.fp8_max, q.min_scale)
-    return jnp.where(nonfinite, jnp.nan, scale)
-
-
-def _codes(y, inv_scale, q: fp8_lib.Fp8Params):
-    v = y * inv_scale
-    if q.scale_ub is not None:
-        # Comparisons, not min/max: NaN must pass through to the encoder.
-        v = jnp.where(v > q.fp8_max, q.fp8_max, jnp.where(v < -q.fp8_max, -q.fp8_max, v))
-    if q.native_cast:
-        return native_codes(v, q.dtype)
-    return fp8_lib.encode_fp8(v, q.dtype)
-
-
-def native_codes(v, dtype):
-    """The lowering's own float32 -> ``dtype`` cast (round to nearest even), with the fix-up that
-    makes it equal the encoder: in e4m3fnuz, which has no -0, a value that rounds to zero is
-    flushed to +0 before the cast (|v| <= half the smallest subnormal), so the code 0x80 (NaN
-    there) comes only from NaN. No saturation fix-up: the kernels' values never exceed
-    ``fp8_max`` by more than rounding (``_codes``)."""
-    fmt = fp8_lib.fp8_format(dtype)
-    if not fmt.has_negative_zero:
-        half_min_subnormal = 2.0 ** (1 - fmt.bias - fmt.man_bits - 1)
-        v = jnp.where(jnp.abs(v) <= half_min_subnormal, 0.0, v)
-    return v.astype(dtype)
-
-
-def _self_check_kernel(x_ref, enc_ref, nat_ref, *, n, dtype):
-    i = jnp.arange(n, dtype=jnp.int32)
-    v = x_ref[i]
-    enc_ref[i] = fp8_lib.encode_fp8(v, dtype).astype(jnp.uint8)
-    nat_ref[i] = native_codes(v, dtype)
-
-
-def self_check_codes(values, dtype, *, interpret: bool):
-    """``values`` float32 ``[n]`` (n a power of two) -> (encoder codes, native codes), both
-    uint8, from ONE kernel that converts the same values both ways (``k3pallas.fp8_cast``)."""
-    n = values.shape[0]
-    kernel = functools.partial(_self_check_kernel, n=n, dtype=jnp.dtype(dtype))
-    spec = pl.BlockSpec((n,), lambda i: (0,))
-    enc, nat = pl.pallas_call(
-        kernel, grid=(1,), in_specs=[spec], out_specs=[spec, spec],
-        out_shape=[jax.ShapeDtypeStruct((n,), jnp.uint8), jax.ShapeDtypeStruct((n,), dtype)],
-        interpret=interpret, name="k3pallas_fp8_cast_self_check")(values)
-    return enc, lax.bitcast_convert_type(nat, jnp.uint8)
 
 
 def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activation, quant, mode):
@@ -157,7 +89,7 @@ def _quant_epilogue(ys, out_refs, s_ref, *, n_rows, rows, quant, mode):
     if mode == "given_scale":
         scale = common.load(s_ref, r_index, r_mask, other=1.0)
     else:
-        scale = _row_scale([y for _, _, y in ys], quant)
+        scale = quant_lib.row_scale([y for _, _, y in ys], quant)
     if mode == "scale_only":
         (scale_ref,) = out_refs
         common.store(scale_ref, r_index, scale, r_mask)
@@ -165,7 +97,7 @@ def _quant_epilogue(ys, out_refs, s_ref, *, n_rows, rows, quant, mode):
     codes_ref = out_refs[0]
     inv = 1.0 / scale
     for index, mask, y in ys:
-        common.store(codes_ref, index, _codes(y, inv[(slice(None),) + (None,) * (y.ndim - 1)], quant),
+        common.store(codes_ref, index, quant_lib.codes(y, inv[(slice(None),) + (None,) * (y.ndim - 1)], quant),
                      mask)
     if mode == "dynamic":
         common.store(out_refs[1], r_index, scale, r_mask)
@@ -178,19 +110,6 @@ def _quant_kernel(x_ref, *refs, n_rows, rows, width, quant, mode):
     y = common.load(x_ref, index, mask).astype(jnp.float32)
     _quant_epilogue([(index, mask, y)], out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant,
                     mode=mode)
-
-
-def _codes_struct(shape, quant: fp8_lib.Fp8Params):
-    return jax.ShapeDtypeStruct(shape, quant.dtype if quant.native_cast else jnp.uint8)
-
-
-def _codes_poison(quant: fp8_lib.Fp8Params):
-    """A code that decodes to NaN in the output format (for ``common.poisoned_outputs``)."""
-    return float("nan") if quant.native_cast else fp8_lib.fp8_format(quant.dtype).nan_code
-
-
-def _as_fp8(codes, quant: fp8_lib.Fp8Params):
-    return codes if quant.native_cast else lax.bitcast_convert_type(codes, quant.dtype)
 
 
 def gated_row_elems(heads: int, width: int) -> tuple[int, int]:
@@ -215,7 +134,7 @@ def _quant_outputs(shape, n_rows, quant, mode, scale):
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if (scale is None) != (mode != "given_scale"):
         raise ValueError(f"a scale is passed exactly in mode 'given_scale' (mode {mode!r})")
-    codes = (_codes_struct(shape, quant), _codes_poison(quant))
+    codes = (quant_lib.codes_struct(shape, quant), quant_lib.codes_poison(quant))
     scale = (jax.ShapeDtypeStruct((n_rows,), jnp.float32), float("nan"))
     outs = {"dynamic": [codes, scale], "scale_only": [scale], "given_scale": [codes]}[mode]
     return [o for o, _ in outs], [p for _, p in outs]
@@ -225,22 +144,24 @@ def _quant_results(result, quant, mode):
     """(codes or None, scale or None) from a launch's outputs."""
     if mode == "scale_only":
         return None, result[0]
-    codes = _as_fp8(result[0], quant)
+    codes = quant_lib.as_fp8(result[0], quant)
     return codes, (result[1] if mode == "dynamic" else None)
 
 
 def rmsnorm_gated_rows(x, gate, weight, *, eps: float, activation: str,
                        quant: fp8_lib.Fp8Params | None, interpret: bool,
-                       config: platform.LaunchConfig | None = None, mode: str = "dynamic",
-                       scale=None):
+                       config: launch.LaunchConfig | None = None, mode: str = "dynamic",
+                       scale=None, op: str | None = None):
     """``x``, ``gate`` ``[T, H, D]``. Without ``quant``: y ``[T, H, D]`` in x's dtype. With it,
     by ``mode``: "dynamic" ``(codes [T, H, D] fp8, scale [T] float32)``; "scale_only"
     ``(None, scale)``; "given_scale" ``(codes, None)`` quantized with ``scale [T]`` (a scale
     reduced across devices: see ``k3pallas.sharding``)."""
     n_rows, heads, width = x.shape
-    op = "rmsnorm_gated" if quant is None else "rmsnorm_gated_fp8"
+    op = op or ("rmsnorm_gated" if quant is None else "rmsnorm_gated_fp8_per_token")
+    if quant is not None:
+        quant = quant_lib.kernel_quant(quant, interpret=interpret)
     if config is None:
-        config = platform.launch_config(op, n_rows, *gated_row_elems(heads, width))
+        config = launch.launch_config(op, n_rows, *gated_row_elems(heads, width))
     kernel = functools.partial(_gated_kernel, n_rows=n_rows, rows=config.rows_per_program,
                                heads=heads, width=width, eps=float(eps), activation=activation,
                                quant=quant, mode=mode)
@@ -259,13 +180,14 @@ def rmsnorm_gated_rows(x, gate, weight, *, eps: float, activation: str,
 
 
 def per_token_fp8_rows(x, *, quant: fp8_lib.Fp8Params, interpret: bool,
-                       config: platform.LaunchConfig | None = None, mode: str = "dynamic",
+                       config: launch.LaunchConfig | None = None, mode: str = "dynamic",
                        scale=None):
     """``x [T, N]`` -> ``(codes [T, N] fp8, scale [T] float32)``; ``mode`` as in
     ``rmsnorm_gated_rows``."""
     n_rows, width = x.shape
+    quant = quant_lib.kernel_quant(quant, interpret=interpret)
     if config is None:
-        config = platform.launch_config("per_token_fp8_quant", n_rows, *quant_row_elems(width))
+        config = launch.launch_config("per_token_fp8_quant", n_rows, *quant_row_elems(width))
     kernel = functools.partial(_quant_kernel, n_rows=n_rows, rows=config.rows_per_program,
                                width=width, quant=quant, mode=mode)
     outs, poison = _quant_outputs(x.shape, n_rows, quant, mode, scale)
@@ -275,3 +197,35 @@ def per_token_fp8_rows(x, *, quant: fp8_lib.Fp8Params, interpret: bool,
         row_inputs=[x] + ([scale] if mode == "given_scale" else []), shared_inputs=[],
         out_shapes=outs, interpret=interpret, out_poison=poison)
     return _quant_results(result, quant, mode)
+
+
+# ------------------------------------------------------------------------------------------------
+# Entries (k3pallas.kernels.entry): one device's arrays, in the layout of the op's sharding rule
+# ------------------------------------------------------------------------------------------------
+
+
+@register("rmsnorm_gated")
+def _gated_entry(x, w, g, *, eps, activation, interpret, reduce_axes):
+    y = rmsnorm_gated_rows(common.as_rows(x, 2), common.as_rows(g, 2), w, eps=eps,
+                           activation=activation, quant=None, interpret=interpret)
+    return y.reshape(x.shape)
+
+
+@register("rmsnorm_gated_fp8_per_token")
+def _gated_fp8_entry(x, w, g, *, eps, activation, fp8, interpret, reduce_axes):
+    """x, g ``[..., G, j, D]`` -> (codes of that shape, scale ``[..., G]``). With the heads of a
+    group split over devices (``reduce_axes``): the scale of each device's heads, their maximum
+    across the devices, then the codes with it (``sharding.fp8_over_shards``)."""
+    run = functools.partial(rmsnorm_gated_rows, common.as_rows(x, 2), common.as_rows(g, 2), w,
+                            eps=eps, activation=activation, quant=fp8, interpret=interpret)
+    codes, scale = sharding.fp8_over_shards(run, reduce_axes)
+    return codes.reshape(x.shape), scale.reshape(x.shape[:-2])
+
+
+@register("per_token_fp8_quant")
+def _quant_entry(x, *, fp8, interpret, reduce_axes):
+    """x ``[..., G, j]`` -> (codes of that shape, scale ``[..., G]``); ``reduce_axes`` as above."""
+    run = functools.partial(per_token_fp8_rows, common.as_rows(x, 1), quant=fp8,
+                            interpret=interpret)
+    codes, scale = sharding.fp8_over_shards(run, reduce_axes)
+    return codes.reshape(x.shape), scale.reshape(x.shape[:-1])

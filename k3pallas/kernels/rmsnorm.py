@@ -24,8 +24,7 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from k3pallas import platform
-from k3pallas.kernels import common
+from k3pallas.kernels import common, launch, register
 
 
 class Segment(NamedTuple):
@@ -71,7 +70,7 @@ def row_elems(widths: Sequence[int]) -> tuple[int, int]:
 
 def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
                   weights: Sequence[jax.Array], *, op: str, interpret: bool,
-                  config: platform.LaunchConfig | None = None):
+                  config: launch.LaunchConfig | None = None):
     """Normalize (or copy) ``segments`` of the 2-D row-aligned inputs ``xs [T, *]``.
 
     ``weights``: one ``[width]`` array per normalized segment, in segment order. Returns one
@@ -82,7 +81,7 @@ def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
     segments = tuple(Segment(s.source, s.start, s.width, None if s.eps is None else float(s.eps))
                      for s in segments)
     if config is None:
-        config = platform.launch_config(op, n_rows, *row_elems([s.width for s in segments]))
+        config = launch.launch_config(op, n_rows, *row_elems([s.width for s in segments]))
     kernel = functools.partial(_kernel, n_rows=n_rows, rows=config.rows_per_program,
                                n_sources=len(xs), segments=segments)
     return common.row_call(
@@ -93,7 +92,36 @@ def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
 
 
 def rmsnorm_rows(xs: Sequence[jax.Array], weights: Sequence[jax.Array], eps: Sequence[float], *,
-                 op: str, interpret: bool, config: platform.LaunchConfig | None = None):
+                 op: str, interpret: bool, config: launch.LaunchConfig | None = None):
     """Normalize whole 2-D row-aligned tensors ``xs[i] [T, D_i]`` with ``weights[i] [D_i]``."""
     segments = [Segment(i, 0, x.shape[1], e) for i, (x, e) in enumerate(zip(xs, eps))]
     return segments_rows(xs, segments, weights, op=op, interpret=interpret, config=config)
+
+
+# ------------------------------------------------------------------------------------------------
+# Entries (k3pallas.kernels.entry): one device's arrays, in the layout of the op's sharding rule
+# ------------------------------------------------------------------------------------------------
+
+
+@register("rmsnorm")
+def _rmsnorm_entry(x, w, *, eps, interpret, reduce_axes):
+    (y,) = rmsnorm_rows([common.as_rows(x, 1)], [w], [eps], op="rmsnorm", interpret=interpret)
+    return y.reshape(x.shape)
+
+
+@register("fused_q_kv_rmsnorm")
+def _fused_entry(q, kv, wq, wkv, *, eps, kv_eps, interpret, reduce_axes):
+    q_out, kv_out = rmsnorm_rows([common.as_rows(q, 1), common.as_rows(kv, 1)], [wq, wkv],
+                                 [eps, kv_eps], op="fused_q_kv_rmsnorm", interpret=interpret)
+    return q_out.reshape(q.shape), kv_out.reshape(kv.shape)
+
+
+@register("mla_q_kv_norm")
+def _mla_entry(a, wq, wkv, *, q_size, kv_size, eps, kv_eps, interpret, reduce_axes):
+    rope = a.shape[-1] - q_size - kv_size
+    segments = [Segment(0, 0, q_size, eps), Segment(0, q_size, kv_size, kv_eps)]
+    if rope:
+        segments.append(Segment(0, q_size + kv_size, rope, None))
+    outs = segments_rows([common.as_rows(a, 1)], segments, [wq, wkv], op="mla_q_kv_norm",
+                         interpret=interpret)
+    return tuple(o.reshape(a.shape[:-1] + (o.shape[-1],)) for o in outs)

@@ -4,7 +4,7 @@ Two paths give the same codes by construction:
 
 * the **encoder** (``k3pallas.fp8.encode_fp8``): integer arithmetic on the float32 bits, bit-exact
   with XLA's cast, runs everywhere; about 16 VALU instructions per value on AMD gfx942;
-* the **native** conversion (``kernels.gated_fp8.native_codes``): the Triton lowering's own cast,
+* the **native** conversion (``kernels.quant.native_codes``): the Triton lowering's own cast,
   one hardware instruction per two values where the target has it: NVIDIA sm_89+ (e4m3fn, e5m2),
   AMD gfx94x (e4m3fnuz: ``v_cvt_pk_fp8_f32``; the lowering refuses this cast, and
   ``k3pallas._compat.enable_native_fnuz_cast`` lifts that for k3pallas kernels only) and AMD
@@ -133,14 +133,14 @@ def check_values(dtype) -> np.ndarray:
 def self_check(dtype, *, interpret: bool) -> tuple:
     """Run the check kernel on the default device (or in interpret mode); the mismatches as
     ``((value, encoder code, native code), ...)``, empty when both paths agree bit for bit."""
-    from k3pallas.kernels import gated_fp8
+    from k3pallas.kernels import quant
 
     values = check_values(dtype)
     if not interpret and jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fnuz):
         _compat.enable_native_fnuz_cast()
     # Compiled ahead and called with a concrete array: it runs now, also while an outer function
     # is being traced (the first FP8 kernel of a jitted program decides inside its trace).
-    run = jax.jit(lambda v: gated_fp8.self_check_codes(v, dtype, interpret=interpret))
+    run = jax.jit(lambda v: quant.self_check_codes(v, dtype, interpret=interpret))
     enc, nat = run.lower(jax.ShapeDtypeStruct(values.shape, values.dtype)).compile()(values)
     enc, nat = np.asarray(enc), np.asarray(nat)
     # NaN in, NaN out: any NaN code of the format counts as the same (XLA's CPU cast, for one,

@@ -1,0 +1,177 @@
+"""How the kernels are launched: rows per program, ``num_warps`` and ``num_stages``.
+
+Backend business (these are Triton's launch parameters): the API never sees them. One pure
+function of the op, the row count, the padded row size and the target (``heuristic_config``),
+with a tuned table (``tuned_configs.json`` beside this file, written by ``python -m bench.tune``)
+that takes precedence where it has an entry. Kernels never hold launch constants of their own.
+
+Two hooks serve the tuning sweep, the benchmark and the ROCm gate: ``forced(config)`` makes
+every launch traced inside use ``config``, and ``recording()`` collects what each launch asked
+for and got (op, rows, row size, config).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import json
+import math
+import os
+
+from k3pallas.platform import Target, current_target
+
+__all__ = ["LaunchConfig", "launch_config", "heuristic_config", "tuned_table", "forced",
+           "recording", "Launch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    rows_per_program: int  # power of two
+    num_warps: int  # warps (NVIDIA) or wavefronts (AMD) per program
+    num_stages: int = 1  # the row kernels have no loop to pipeline; kept explicit for the sweep
+
+    def __post_init__(self):
+        for name in ("rows_per_program", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"LaunchConfig.{name} must be a power of two >= 1, got {value}")
+        if self.num_stages < 1:
+            raise ValueError(f"LaunchConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+# Heuristic constants. Elements a program handles (summed over the tiles it loads), and elements
+# per thread of its largest tile: few per thread while the grid is too small to fill the GPU
+# (spread the latency chain of one row over many threads), many once it is large (fewer threads
+# per row means cheaper cross-warp reductions; occupancy comes from the many programs). From the
+# H200 sweep (bench/results/tune.md): fused q/kv at T = 65536 ran 129 us with 1 warp per row
+# against 162 us with 8; the gated FP8 kernel at T = 1 ran 2.0 us with 16 warps against 6.9 with 1.
+#
+# On AMD the throughput regime holds 16 elements per thread: at 32 the 96-head FP8 kernel needed
+# 134 VGPRs on gfx942 / gfx950 (occupancy 3 waves per SIMD, under the ROCm compile gate's 4);
+# at 16 every kernel keeps >= 4 (bench/results/rocm_check.md).
+_ELEMS_PER_PROGRAM = 4096
+_ELEMS_PER_THREAD_LATENCY = 8
+_ELEMS_PER_THREAD_THROUGHPUT = {"cuda": 32, "rocm": 16}
+_PROGRAMS_PER_CORE_THROUGHPUT = 4
+_MAX_THREADS = 1024
+_MAX_ROWS = 64
+_INTERPRET_ROWS = 16
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def heuristic_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int,
+                     target: Target) -> LaunchConfig:
+    """The default launch config: a pure function of the problem and the target.
+
+    ``row_elems``: elements one row loads over all its tiles (padded to powers of two);
+    ``max_tile_row_elems``: the largest single tile's row (tiles are processed one after another,
+    so the largest decides the registers per thread).
+    """
+    del op  # one rule serves every row kernel today; the tuned table specializes per op
+    if not target.is_gpu:
+        # Interpret mode runs the programs one after another, so large programs are fastest; but
+        # a fixed size, not one that grows with the token count: XLA's CPU reductions over a
+        # [R, ...] tile can round differently for another R, and results would then depend in
+        # the last bit on T (and on how tokens are sharded).
+        return LaunchConfig(rows_per_program=_INTERPRET_ROWS, num_warps=4, num_stages=1)
+    rows = _pow2_floor(max(1, _ELEMS_PER_PROGRAM // max(1, row_elems)))
+    rows = min(rows, _MAX_ROWS, _pow2_ceil(max(1, n_rows)))
+    # Keep at least two programs per core while there are rows enough for that.
+    while rows > 1 and math.ceil(n_rows / rows) < 2 * target.num_cores:
+        rows //= 2
+    programs = math.ceil(n_rows / rows)
+    per_thread = (_ELEMS_PER_THREAD_THROUGHPUT.get(target.backend, 32)
+                  if programs >= _PROGRAMS_PER_CORE_THROUGHPUT * target.num_cores
+                  else _ELEMS_PER_THREAD_LATENCY)
+    warp = max(1, target.warp_size)
+    threads = max(1, rows * max_tile_row_elems // per_thread)
+    num_warps = _pow2_floor(max(1, min(threads, _MAX_THREADS) // warp))
+    return LaunchConfig(rows_per_program=rows, num_warps=num_warps, num_stages=1)
+
+
+_TUNED_PATH = os.path.join(os.path.dirname(__file__), "tuned_configs.json")
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_table() -> dict:
+    """The sweep's choices: {arch: {op: [[max_rows, row_elems, rows, warps, stages], ...]}}.
+
+    Entries are looked up by (arch, op, exact padded row size) and the smallest ``max_rows`` bucket
+    that holds the row count. Missing file or entry: the heuristic decides.
+    """
+    try:
+        with open(_TUNED_PATH) as f:
+            table = json.load(f).get("configs", {})
+    except FileNotFoundError:
+        return {}
+    for ops in table.values():
+        for entries in ops.values():
+            entries.sort(key=lambda e: (e[1], e[0]))
+    return table
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One launch as ``recording()`` sees it."""
+
+    op: str  # the launch-config key: the op's name (k3pallas.ops)
+    n_rows: int
+    row_elems: int
+    max_tile_row_elems: int
+    config: LaunchConfig
+
+
+_FORCED = contextvars.ContextVar("k3pallas_forced_launch", default=None)
+_RECORDING = contextvars.ContextVar("k3pallas_launch_recording", default=None)
+
+
+@contextlib.contextmanager
+def forced(config: LaunchConfig):
+    """Every launch traced inside uses ``config`` (the tuning sweep, the gate's broken kernel)."""
+    token = _FORCED.set(config)
+    try:
+        yield config
+    finally:
+        _FORCED.reset(token)
+
+
+@contextlib.contextmanager
+def recording():
+    """Yields a list that collects a ``Launch`` for every launch config chosen inside."""
+    log = []
+    token = _RECORDING.set(log)
+    try:
+        yield log
+    finally:
+        _RECORDING.reset(token)
+
+
+def launch_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int | None = None,
+                  target: Target | None = None) -> LaunchConfig:
+    """The launch config for ``op`` on ``target`` (default: ``current_target()``)."""
+    target = current_target() if target is None else target
+    max_tile_row_elems = row_elems if max_tile_row_elems is None else max_tile_row_elems
+    config = _FORCED.get()
+    if config is None:
+        config = _choose(op, n_rows, row_elems, max_tile_row_elems, target)
+    log = _RECORDING.get()
+    if log is not None:
+        log.append(Launch(op, n_rows, row_elems, max_tile_row_elems, config))
+    return config
+
+
+def _choose(op, n_rows, row_elems, max_tile_row_elems, target) -> LaunchConfig:
+    for max_rows, elems, rows, warps, stages in tuned_table().get(target.arch, {}).get(op, []):
+        if elems == row_elems and n_rows <= max_rows:
+            rows = min(rows, _pow2_ceil(max(1, n_rows)))
+            return LaunchConfig(rows, warps, stages)
+    return heuristic_config(op, n_rows, row_elems, max_tile_row_elems, target)

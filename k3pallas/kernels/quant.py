@@ -1,0 +1,113 @@
+"""Per-token FP8 in the kernels: the options as a kernel takes them, the per-row scale, the codes
+(integer encoder or the lowering's native cast), and the output structs. Shared by every kernel
+with an FP8 output (``gated_fp8``, ``rmsnorm``)."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from k3pallas import fp8 as fp8_lib
+from k3pallas._compat import pl
+from k3pallas.kernels import fp8_cast
+
+
+class Quant(NamedTuple):
+    """The FP8 options as a kernel takes them: ``Fp8Params`` plus the conversion path decided
+    for this kernel (``native``: the lowering's own cast; else the integer encoder)."""
+
+    dtype: jnp.dtype
+    fp8_max: float
+    min_scale: float
+    scale_ub: float | None
+    native: bool
+
+
+def kernel_quant(fp8: fp8_lib.Fp8Params, *, interpret: bool) -> Quant:
+    """``fp8`` with the conversion path decided (``fp8_cast.decide``: may run the device
+    self-check once)."""
+    native = fp8_cast.decide(fp8.dtype, fp8.cast, interpret=interpret).native
+    return Quant(fp8.dtype, fp8.fp8_max, fp8.min_scale, fp8.scale_ub, native)
+
+
+def _row_reduce(fn, a):
+    while a.ndim > 1:
+        a = fn(a, axis=-1)
+    return a
+
+
+def row_scale(tiles, q: Quant):
+    """Per-row scale ``[R]`` over float32 tiles ``[R, ...]`` that together hold the rows."""
+    amax = total = None
+    for y in tiles:
+        a = jnp.abs(y)
+        m, s = _row_reduce(jnp.max, a), _row_reduce(jnp.sum, a)
+        amax = m if amax is None else jnp.maximum(amax, m)
+        total = s if total is None else total + s
+    # A NaN (the sum keeps it; Triton's max drops it) or an infinity (the max keeps it) anywhere
+    # in the row: NaN scale, hence NaN codes. Per-row tests only.
+    nonfinite = (total != total) | (amax == jnp.inf)
+    if q.scale_ub is not None:
+        amax = jnp.minimum(amax, q.scale_ub)
+    scale = jnp.maximum(amax / q.fp8_max, q.min_scale)
+    return jnp.where(nonfinite, jnp.nan, scale)
+
+
+def codes(y, inv_scale, q: Quant):
+    v = y * inv_scale
+    if q.scale_ub is not None:
+        # Comparisons, not min/max: NaN must pass through to the encoder.
+        v = jnp.where(v > q.fp8_max, q.fp8_max, jnp.where(v < -q.fp8_max, -q.fp8_max, v))
+    if q.native:
+        return native_codes(v, q.dtype)
+    return fp8_lib.encode_fp8(v, q.dtype)
+
+
+def native_codes(v, dtype):
+    """The lowering's own float32 -> ``dtype`` cast (round to nearest even), with the fix-up that
+    makes it equal the encoder: in e4m3fnuz, which has no -0, a value that rounds to zero is
+    flushed to +0 before the cast (|v| <= half the smallest subnormal), so the code 0x80 (NaN
+    there) comes only from NaN. No saturation fix-up: the kernels' values never exceed
+    ``fp8_max`` by more than rounding (``_codes``)."""
+    fmt = fp8_lib.fp8_format(dtype)
+    if not fmt.has_negative_zero:
+        half_min_subnormal = 2.0 ** (1 - fmt.bias - fmt.man_bits - 1)
+        v = jnp.where(jnp.abs(v) <= half_min_subnormal, 0.0, v)
+    return v.astype(dtype)
+
+
+def _self_check_kernel(x_ref, enc_ref, nat_ref, *, n, dtype):
+    i = jnp.arange(n, dtype=jnp.int32)
+    v = x_ref[i]
+    enc_ref[i] = fp8_lib.encode_fp8(v, dtype).astype(jnp.uint8)
+    nat_ref[i] = native_codes(v, dtype)
+
+
+def self_check_codes(values, dtype, *, interpret: bool):
+    """``values`` float32 ``[n]`` (n a power of two) -> (encoder codes, native codes), both
+    uint8, from ONE kernel that converts the same values both ways (``k3pallas.fp8_cast``)."""
+    n = values.shape[0]
+    kernel = functools.partial(_self_check_kernel, n=n, dtype=jnp.dtype(dtype))
+    spec = pl.BlockSpec((n,), lambda i: (0,))
+    enc, nat = pl.pallas_call(
+        kernel, grid=(1,), in_specs=[spec], out_specs=[spec, spec],
+        out_shape=[jax.ShapeDtypeStruct((n,), jnp.uint8), jax.ShapeDtypeStruct((n,), dtype)],
+        interpret=interpret, name="k3pallas_fp8_cast_self_check")(values)
+    return enc, lax.bitcast_convert_type(nat, jnp.uint8)
+
+
+def codes_struct(shape, quant: Quant):
+    return jax.ShapeDtypeStruct(shape, quant.dtype if quant.native else jnp.uint8)
+
+
+def codes_poison(quant: Quant):
+    """A code that decodes to NaN in the output format (for ``common.poisoned_outputs``)."""
+    return float("nan") if quant.native else fp8_lib.fp8_format(quant.dtype).nan_code
+
+
+def as_fp8(codes, quant: Quant):
+    return codes if quant.native else lax.bitcast_convert_type(codes, quant.dtype)

@@ -1,0 +1,93 @@
+"""Tooling for tests, the benchmark and the ROCm gate; nothing at run time imports this module.
+
+* ``KNOWN_TARGETS``: the targets the deviceless tests, the ROCm gate and the docs talk about;
+* ``abstract_mesh`` / ``lower_for``: lowering for a GPU that is not attached (deviceless);
+* ``triton_launches`` / ``triton_ir_modules``: the Triton calls of a lowered program (launch
+  parameters; the Triton IR, which needs private jax and so lives in ``k3pallas._compat``);
+* ``poisoned_outputs``: kernels traced inside start from poisoned outputs, so that an element a
+  kernel leaves unwritten shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import jax
+import jax.numpy as jnp
+
+from k3pallas._compat import triton_ir_modules  # noqa: F401  (re-exported: private jax inside)
+from k3pallas.kernels import common
+
+__all__ = ["KNOWN_TARGETS", "abstract_mesh", "lower_for", "triton_launches", "triton_ir_modules",
+           "poisoned_outputs"]
+
+KNOWN_TARGETS = {
+    "h200": ("NVIDIA H200", "cuda"),
+    "gfx942": ("gfx942", "rocm"),
+    "gfx950": ("gfx950", "rocm"),
+}
+
+
+def abstract_mesh(device_kind: str, platform: str):
+    """A one-device abstract mesh that targets ``device_kind`` on ``platform`` ("cuda" or "rocm").
+
+    Use it as ``with jax.sharding.use_abstract_mesh(abstract_mesh("gfx942", "rocm")):`` around
+    ``jax.jit(f).trace(...).lower(lowering_platforms=(platform,))`` to lower for a GPU that is not
+    attached. ``AxisType.Auto``: ``Explicit`` broke two-dimensional reductions in that mode.
+    """
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    return AbstractMesh((1,), ("x",), (AxisType.Auto,),
+                        abstract_device=AbstractDevice(device_kind, 1, platform))
+
+
+def lower_for(fn, args, device_kind: str, platform: str):
+    """Lower ``jax.jit(fn)`` for ``args`` (arrays or ShapeDtypeStructs, pytrees allowed) on a
+    GPU that is not here. Returns the ``jax.stages.Lowered``; ``.as_text()`` is the StableHLO."""
+    structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+    with jax.sharding.use_abstract_mesh(abstract_mesh(device_kind, platform)):
+        return jax.jit(fn).trace(*structs).lower(lowering_platforms=(platform,))
+
+
+_LAUNCH_FIELD = re.compile(r"\b(name|num_warps|num_stages|grid_x|grid_y|grid_z) = (\"[^\"]*\"|\d+)")
+
+
+def triton_launches(module_text: str) -> list[dict]:
+    """The Triton custom calls of a lowered module's text, with their launch parameters.
+
+    Each ``__gpu$xla.gpu.triton`` call carries ``name``, ``num_warps``, ``num_stages`` and
+    ``grid_x/y/z`` in its ``mhlo.backend_config`` dictionary (the IR itself is bytecode beside
+    them, key ``ir``).
+    """
+    launches = []
+    for chunk in module_text.split("__gpu$xla.gpu.triton")[1:]:
+        end = chunk.find("\n")
+        fields = dict(_LAUNCH_FIELD.findall(chunk[: end if end > 0 else None]))
+        launches.append({k: (v.strip('"') if k == "name" else int(v)) for k, v in fields.items()})
+    return launches
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Kernels traced inside start from outputs filled with a poison value: NaN for float
+    outputs, a code that decodes to NaN for fp8 codes (the kernel's ``out_poison``), passed in
+    through ``input_output_aliases``. An element the kernel leaves unwritten then shows up as
+    NaN, on the GPU as well as in interpret mode."""
+
+    def poison(call: common.RowCall) -> common.RowCall:
+        n_in, n_out = len(call.inputs), len(call.out_shapes)
+        kernel = call.kernel
+
+        def skip_poison_refs(*refs):  # the aliased poison inputs are the outputs' refs
+            kernel(*refs[:n_in], *refs[n_in + n_out:])
+
+        return common.RowCall(
+            skip_poison_refs,
+            call.inputs + [jnp.full(o.shape, v, o.dtype) for o, v in zip(call.out_shapes, call.out_poison)],
+            call.in_specs + [call.row_spec(o.shape) for o in call.out_shapes],
+            call.out_shapes, call.row_spec, call.out_poison,
+            {n_in + j: j for j in range(n_out)})
+
+    with common.wrapping(poison):
+        yield
