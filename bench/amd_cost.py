@@ -29,22 +29,16 @@ import json
 import os
 import sys
 
-from bench import shapes
+from k3pallas import ops
 from bench.report import write_report
 
 ACHIEVABLE_BW = {"gfx942": 4.2e12, "gfx950": 6.9e12}  # bytes/s, read + write
 PARTS = {"gfx942": "MI300X", "gfx950": "MI355X (MI350X config)"}
-FP8_OPS = ("rmsnorm_gated_fp8_per_token", "per_token_fp8_quant")
+FP8_OPS = tuple(name for name, op in ops.OPS.items() if op.fp8)
 
 
 def bytes_moved(op: str, config: str, tokens: int) -> int:
-    cfg = shapes.config(config)
-    n = cfg.heads * cfg.head_dim
-    if op == "rmsnorm_gated_fp8_per_token":
-        return tokens * n * (2 + 2 + 1) + 4 * tokens + 4 * cfg.head_dim
-    if op == "per_token_fp8_quant":
-        return tokens * n * (2 + 1) + 4 * tokens
-    raise KeyError(op)
+    return ops.OPS[op].bytes_moved(config, tokens)
 
 
 def estimate(r: dict, device: dict) -> dict:

@@ -1,18 +1,18 @@
 """What the benchmark measures for each op: its inputs, its variants and its minimum bytes.
 
-Variants (same inputs, same process):
+The ops, their shapes, their unfused form and whether they write FP8 come from the op table
+(``k3pallas.ops``); bytes moved are the inputs' and outputs' sizes. Variants (same inputs, same
+process):
 
 * ``k3pallas``: the fused k3pallas kernel (one launch);
-* ``unfused``: the k3pallas path without the fusion (two ``rmsnorm`` launches; ``rmsnorm_gated``
-  then ``per_token_fp8_quant``), where the op has one;
+* ``unfused``: the op's ``unfused`` form in the table (the k3pallas path without the fusion,
+  e.g. two ``rmsnorm`` launches; ``rmsnorm_gated`` then ``per_token_fp8_quant``), where it has one;
 * ``xla``: the jnp reference compiled by XLA (what a JAX user gets without this package);
 * ``copy``: a device-to-device copy moving the same number of bytes, the bandwidth ceiling;
 * ``encoder`` (FP8 ops): the fused kernel with ``fp8_cast="encoder"``, the integer encoder in
   place of the native conversion (what gfx942 runs without the native path).
 
-Two integration paths are measured the same way: ``mla_q_kv_norm`` on the packed MLA projection
-(``unfused`` there: XLA slices the packed rows, then ``fused_q_kv_rmsnorm``), and
-``kda_output_fp8``, the KDA output path up to the FP8 o_proj (``k3pallas``: the fused gated FP8
+One integration path, not an op, is measured the same way: ``kda_output_fp8``, the KDA output path up to the FP8 o_proj (``k3pallas``: the fused gated FP8
 kernel then ``fp8_linear``; ``unfused``: ``rmsnorm_gated``, ``per_token_fp8_quant``, then
 ``fp8_linear``; ``xla``: the jnp norm and quant, then ``fp8_linear``; ``bf16``: the jnp gated
 norm in bf16 and a bf16 o_proj). The o_proj GEMM dominates there, so "% copy" says little.
@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 
 import k3pallas as kp
-from k3pallas import platform
-from k3pallas.kernels import gated_fp8, rmsnorm as rmsnorm_kernels
+from k3pallas import ops, platform
+from k3pallas.kernels import launch
 
 from bench import shapes
 
@@ -44,7 +44,7 @@ class Case:
     variants: dict  # name -> jitted fn
     bytes_moved: int  # each input read once, each output written once
     input_bytes: int
-    launch: platform.LaunchConfig | None  # the config the k3pallas kernel picks here
+    launch: launch.LaunchConfig | None  # the config the k3pallas kernel picks here
 
 
 def _rand(key, shape, dtype):
@@ -55,107 +55,48 @@ def _nbytes(shape, dtype):
     return math.prod(shape) * jnp.dtype(dtype).itemsize
 
 
+def _fill(key, structs):
+    """Random arrays for ``ShapeDtypeStruct``s (normal; weights too)."""
+    keys = jax.random.split(key, len(structs))
+    return tuple(_rand(k, s.shape, s.dtype) for k, s in zip(keys, structs))
+
+
+def _launch_of(fn, args) -> launch.LaunchConfig | None:
+    """The launch config the first kernel of ``fn`` picks for ``args`` (traced, not run)."""
+    with launch.recording() as log:
+        jax.jit(fn).trace(*args)
+    return log[0].config if log else None
+
+
+def _op_case(spec: ops.Op, config_name: str, tokens: int, dt, impl: str):
+    """(make, variants, input bytes, output bytes, launch) of an op from the op table."""
+    structs, options = spec.example(tokens, dt, **spec.sizes[config_name])
+    j = jax.jit
+
+    def make(seed):
+        return _fill(jax.random.PRNGKey(seed), structs)
+    variants = {"k3pallas": j(lambda *a: spec.fn(*a, impl=impl, **options))}
+    if spec.fp8:
+        variants["encoder"] = j(lambda *a: spec.fn(*a, impl=impl, fp8_cast="encoder", **options))
+    if spec.unfused is not None:
+        variants["unfused"] = j(lambda *a: spec.unfused(impl, *a, **options))
+    variants["xla"] = j(lambda *a: spec.fn(*a, impl="reference", **options))
+    inb = sum(_nbytes(s.shape, s.dtype) for s in structs)
+    outb = spec.bytes_moved(config_name, tokens, dt) - inb
+    lc = _launch_of(lambda *a: spec.fn(*a, impl=impl, **options), structs) if impl == "pallas" else None
+    return make, variants, inb, outb, lc
+
+
 def make_case(op: str, config_name: str, tokens: int, dtype: str, impl: str) -> Case:
     """Build the case; ``impl`` is "pallas" on a GPU and "interpret" on the CPU."""
     dt = jnp.dtype(dtype)
+    j = jax.jit
+    if op in ops.OPS:
+        make, variants, inb, outb, launch_cfg = _op_case(ops.OPS[op], config_name, tokens, dt, impl)
+        return Case(op, config_name, tokens, dt.name, make, variants, inb + outb, inb, launch_cfg)
     cfg = shapes.config(config_name)
     fp8_dtype = kp.default_fp8_dtype()
-    j = jax.jit
-
-    if op in ("fused_q_kv_rmsnorm", "rmsnorm"):
-        dq, dkv, eps = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.eps
-        if op == "fused_q_kv_rmsnorm":
-            def make(seed):
-                k = jax.random.split(jax.random.PRNGKey(seed), 4)
-                return (_rand(k[0], (tokens, dq), dt), _rand(k[1], (tokens, dkv), dt),
-                        _rand(k[2], (dq,), dt), _rand(k[3], (dkv,), dt))
-            variants = {
-                "k3pallas": j(lambda q, kv, wq, wkv: kp.fused_q_kv_rmsnorm(q, kv, wq, wkv, eps, impl=impl)),
-                "unfused": j(lambda q, kv, wq, wkv: (kp.rmsnorm(q, wq, eps, impl=impl),
-                                                     kp.rmsnorm(kv, wkv, eps, impl=impl))),
-                "xla": j(lambda q, kv, wq, wkv: kp.fused_q_kv_rmsnorm(q, kv, wq, wkv, eps,
-                                                                      impl="reference")),
-            }
-            inb = _nbytes((tokens, dq + dkv), dt) + _nbytes((dq + dkv,), dt)
-            outb = _nbytes((tokens, dq + dkv), dt)
-            launch = platform.launch_config(op, tokens, *rmsnorm_kernels.row_elems((dq, dkv)))
-        else:
-            def make(seed):
-                k = jax.random.split(jax.random.PRNGKey(seed), 2)
-                return _rand(k[0], (tokens, dq), dt), _rand(k[1], (dq,), dt)
-            variants = {
-                "k3pallas": j(lambda x, w: kp.rmsnorm(x, w, eps, impl=impl)),
-                "xla": j(lambda x, w: kp.rmsnorm(x, w, eps, impl="reference")),
-            }
-            inb = _nbytes((tokens, dq), dt) + _nbytes((dq,), dt)
-            outb = _nbytes((tokens, dq), dt)
-            launch = platform.launch_config(op, tokens, *rmsnorm_kernels.row_elems((dq,)))
-    elif op in ("rmsnorm_gated", "rmsnorm_gated_fp8_per_token"):
-        h, d, eps = cfg.heads, cfg.head_dim, cfg.eps
-
-        def make(seed):
-            k = jax.random.split(jax.random.PRNGKey(seed), 3)
-            return (_rand(k[0], (tokens, h, d), dt), _rand(k[1], (d,), jnp.float32),
-                    _rand(k[2], (tokens, h, d), dt))
-        inb = 2 * _nbytes((tokens, h, d), dt) + _nbytes((d,), jnp.float32)
-        if op == "rmsnorm_gated":
-            variants = {
-                "k3pallas": j(lambda x, w, g: kp.rmsnorm_gated(x, w, g, eps, impl=impl)),
-                "xla": j(lambda x, w, g: kp.rmsnorm_gated(x, w, g, eps, impl="reference")),
-            }
-            outb = _nbytes((tokens, h, d), dt)
-            launch = platform.launch_config("rmsnorm_gated", tokens, *gated_fp8.gated_row_elems(h, d))
-        else:
-            def unfused(x, w, g):
-                y = kp.rmsnorm_gated(x, w, g, eps, impl=impl)
-                return kp.per_token_fp8_quant(y.reshape(tokens, h * d), fp8_dtype=fp8_dtype, impl=impl)
-            variants = {
-                "k3pallas": j(lambda x, w, g: kp.rmsnorm_gated_fp8_per_token(
-                    x, w, g, eps, fp8_dtype=fp8_dtype, impl=impl)),
-                "encoder": j(lambda x, w, g: kp.rmsnorm_gated_fp8_per_token(
-                    x, w, g, eps, fp8_dtype=fp8_dtype, fp8_cast="encoder", impl=impl)),
-                "unfused": j(unfused),
-                "xla": j(lambda x, w, g: kp.rmsnorm_gated_fp8_per_token(
-                    x, w, g, eps, fp8_dtype=fp8_dtype, impl="reference")),
-            }
-            outb = tokens * h * d + 4 * tokens
-            launch = platform.launch_config("rmsnorm_gated_fp8", tokens, *gated_fp8.gated_row_elems(h, d))
-    elif op == "per_token_fp8_quant":
-        n = cfg.heads * cfg.head_dim
-
-        def make(seed):
-            return (_rand(jax.random.PRNGKey(seed), (tokens, n), dt),)
-        variants = {
-            "k3pallas": j(lambda x: kp.per_token_fp8_quant(x, fp8_dtype=fp8_dtype, impl=impl)),
-            "encoder": j(lambda x: kp.per_token_fp8_quant(x, fp8_dtype=fp8_dtype,
-                                                          fp8_cast="encoder", impl=impl)),
-            "xla": j(lambda x: kp.per_token_fp8_quant(x, fp8_dtype=fp8_dtype, impl="reference")),
-        }
-        inb = _nbytes((tokens, n), dt)
-        outb = tokens * n + 4 * tokens
-        launch = platform.launch_config(op, tokens, *gated_fp8.quant_row_elems(n))
-    elif op == "mla_q_kv_norm":
-        dq, dkv, rope, eps = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.rope_dim, cfg.eps
-        width = dq + dkv + rope
-
-        def make(seed):
-            k = jax.random.split(jax.random.PRNGKey(seed), 3)
-            return (_rand(k[0], (tokens, width), dt), _rand(k[1], (dq,), dt), _rand(k[2], (dkv,), dt))
-
-        def sliced(a, wq, wkv):
-            q, kv = kp.fused_q_kv_rmsnorm(a[:, :dq], a[:, dq:dq + dkv], wq, wkv, eps, impl=impl)
-            return q, kv, a[:, dq + dkv:]
-        variants = {
-            "k3pallas": j(lambda a, wq, wkv: kp.mla_q_kv_norm(a, wq, wkv, eps, q_size=dq,
-                                                              kv_size=dkv, impl=impl)),
-            "unfused": j(sliced),
-            "xla": j(lambda a, wq, wkv: kp.mla_q_kv_norm(a, wq, wkv, eps, q_size=dq, kv_size=dkv,
-                                                         impl="reference")),
-        }
-        inb = _nbytes((tokens, width), dt) + _nbytes((dq + dkv,), dt)
-        outb = _nbytes((tokens, width), dt)
-        launch = platform.launch_config(op, tokens, *rmsnorm_kernels.row_elems((dq, dkv, rope)))
-    elif op == "kda_output_fp8":
+    if op == "kda_output_fp8":
         h, d, eps, hidden = cfg.heads, cfg.head_dim, cfg.eps, cfg.hidden
         # One weight for every input set (it is a parameter; rotation applies to activations).
         w_o = _rand(jax.random.PRNGKey(1234), (h * d, hidden), dt) * (h * d) ** -0.5
@@ -187,11 +128,11 @@ def make_case(op: str, config_name: str, tokens: int, dtype: str, impl: str) -> 
         variants = {"k3pallas": j(fused), "unfused": j(unfused), "xla": j(xla), "bf16": j(bf16)}
         inb = 2 * _nbytes((tokens, h, d), dt) + _nbytes((d,), jnp.float32) + h * d * hidden
         outb = _nbytes((tokens, hidden), dt)
-        launch = platform.launch_config("rmsnorm_gated_fp8", tokens, *gated_fp8.gated_row_elems(h, d))
-    else:
-        raise KeyError(f"unknown op {op!r}; known: {shapes.OPS}")
-    return Case(op, config_name, tokens, dt.name, make, variants, inb + outb, inb,
-                launch if impl == "pallas" else None)
+        launch_cfg = None
+        if impl == "pallas":
+            launch_cfg = _launch_of(fused, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in make(0)])
+        return Case(op, config_name, tokens, dt.name, make, variants, inb + outb, inb, launch_cfg)
+    raise KeyError(f"unknown op {op!r}; known: {shapes.OPS}")
 
 
 def copy_variants(bytes_moved: int):

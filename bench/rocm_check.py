@@ -53,7 +53,6 @@ FP8_CVT = re.compile(r"\b(v_cvt\w*(fp8|bf8)\w*)")  # the FP8 conversion instruct
 # ------------------------------------------------------------------------------------------------
 
 
-FP8_OPS = ("rmsnorm_gated_fp8_per_token", "per_token_fp8_quant")
 FP8_CASTS = ("encoder", "native")
 BROKEN = {"op": "rmsnorm", "config": "deepseek-v3-mla", "tokens": 4096, "launch": [64, 1, 1],
           "broken": True}
@@ -62,66 +61,44 @@ PROGRAM_TOKENS = (64, 4096)
 
 
 def cases(tokens, ops, casts=FP8_CASTS) -> list[dict]:
-    """Every (op, config, T[, fp8 cast]) the gate compiles."""
-    from bench import shapes
+    """Every (op, config, T[, fp8 cast]) the gate compiles: each op of the op table
+    (``k3pallas.ops``) on its model configs; an FP8 op with each conversion path."""
+    from k3pallas import ops as op_table
 
     out = []
-    for op, cfgs in shapes.OP_CONFIGS.items():
-        if (ops and op not in ops) or op in shapes.NO_KERNEL_OF_ITS_OWN:
+    for name, op in op_table.OPS.items():
+        if ops and name not in ops:
             continue
-        for cfg in cfgs:
+        for cfg in op.configs:
             for t in tokens:
-                for cast in (casts if op in FP8_OPS else (None,)):
-                    out.append({"op": op, "config": cfg, "tokens": t,
+                for cast in (casts if op.fp8 else (None,)):
+                    out.append({"op": name, "config": cfg, "tokens": t,
                                 **({"fp8_cast": cast} if cast else {})})
     return out
 
 
 def case_fn(case):
-    """(function, ShapeDtypeStructs) of one case. FP8: the target's default format; the cast
-    "native" is requested as "native_unchecked" (compiling ahead of time: no device to run the
-    self-check on). A ``launch`` [rows, warps, stages] forces a launch config (``--broken``)."""
-    import jax
+    """(function, ShapeDtypeStructs) of one case, bf16 activations. FP8: the target's default
+    format; the cast "native" is requested as "native_unchecked" (compiling ahead of time: no
+    device to run the self-check on). A ``launch`` [rows, warps, stages] forces a launch config
+    (``--broken``)."""
+    import contextlib
+
     import jax.numpy as jnp
 
-    import k3pallas as kp
-    from bench import shapes
-    from k3pallas import platform
-    from k3pallas.kernels import rmsnorm as rmsnorm_kernels
+    from k3pallas import ops as op_table
+    from k3pallas.kernels import launch
 
-    op, t = case["op"], case["tokens"]
-    cfg = shapes.config(case["config"])
-    bf16, f32 = jnp.bfloat16, jnp.float32
-    s = jax.ShapeDtypeStruct
-    cast = {"native": "native_unchecked"}.get(case.get("fp8_cast"), case.get("fp8_cast"))
-    if case.get("launch"):
-        config = platform.LaunchConfig(*case["launch"])
-        segments = [rmsnorm_kernels.Segment(0, 0, cfg.q_lora_rank, cfg.eps)]
-        return (lambda x, w: rmsnorm_kernels.segments_rows([x], segments, [w], op=op,
-                                                           interpret=False, config=config)[0],
-                [s((t, cfg.q_lora_rank), bf16), s((cfg.q_lora_rank,), bf16)])
-    if op == "fused_q_kv_rmsnorm":
-        return (lambda *a: kp.fused_q_kv_rmsnorm(*a, impl="pallas"),
-                [s((t, cfg.q_lora_rank), bf16), s((t, cfg.kv_lora_rank), bf16),
-                 s((cfg.q_lora_rank,), bf16), s((cfg.kv_lora_rank,), bf16)])
-    if op == "rmsnorm":
-        return (lambda *a: kp.rmsnorm(*a, impl="pallas"),
-                [s((t, cfg.q_lora_rank), bf16), s((cfg.q_lora_rank,), bf16)])
-    if op == "mla_q_kv_norm":
-        return (lambda *a: kp.mla_q_kv_norm(*a, impl="pallas"),
-                [s((t, cfg.q_lora_rank + cfg.kv_lora_rank + cfg.rope_dim), bf16),
-                 s((cfg.q_lora_rank,), bf16), s((cfg.kv_lora_rank,), bf16)])
-    h, d = getattr(cfg, "heads", 0), getattr(cfg, "head_dim", 0)
-    if op == "rmsnorm_gated":
-        return (lambda *a: kp.rmsnorm_gated(*a, impl="pallas"),
-                [s((t, h, d), bf16), s((d,), f32), s((t, h, d), bf16)])
-    if op == "rmsnorm_gated_fp8_per_token":  # fp8 dtype: the device default (fnuz on gfx942)
-        return (lambda *a: kp.rmsnorm_gated_fp8_per_token(*a, fp8_cast=cast, impl="pallas"),
-                [s((t, h, d), bf16), s((d,), f32), s((t, h, d), bf16)])
-    if op == "per_token_fp8_quant":
-        return (lambda a: kp.per_token_fp8_quant(a, fp8_cast=cast, impl="pallas"),
-                [s((t, h * d), bf16)])
-    raise KeyError(op)
+    spec = op_table.OPS[case["op"]]
+    args, options = spec.example(case["tokens"], jnp.dtype(jnp.bfloat16), **spec.sizes[case["config"]])
+    if case.get("fp8_cast"):
+        options = {**options, "fp8_cast": {"native": "native_unchecked"}.get(case["fp8_cast"], case["fp8_cast"])}
+    forced = case.get("launch")
+
+    def fn(*a):
+        with launch.forced(launch.LaunchConfig(*forced)) if forced else contextlib.nullcontext():
+            return spec.fn(*a, impl="pallas", **options)
+    return fn, list(args)
 
 
 def program_fn(name, tokens, target):
@@ -152,7 +129,7 @@ def _encoder_kernel_ir(arch):
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
-    from k3pallas import _compat, fp8 as fp8_lib, platform
+    from k3pallas import fp8 as fp8_lib, platform, testing
 
     dtype = fp8_lib.default_fp8_dtype(platform.target_for(arch, "rocm"))
 
@@ -167,20 +144,20 @@ def _encoder_kernel_ir(arch):
                               out_shape=jax.ShapeDtypeStruct(x.shape, jnp.uint8),
                               name="encode_fp8_" + jnp.dtype(dtype).name)(x)
 
-    lowered = _compat.lower_for(fn, [jax.ShapeDtypeStruct((1 << 20,), jnp.float32)], arch, "rocm")
-    (mod,) = _compat.triton_ir_modules(lowered)
+    lowered = testing.lower_for(fn, [jax.ShapeDtypeStruct((1 << 20,), jnp.float32)], arch, "rocm")
+    (mod,) = testing.triton_ir_modules(lowered)
     return mod, jnp.dtype(dtype).name
 
 
 def extract(tokens, ops, workdir, log, broken=False):
-    from k3pallas import _compat
+    from k3pallas import testing
 
     manifest = []
     for arch in ARCHS:
         for i, case in enumerate(cases(tokens, ops) + ([BROKEN] if broken else [])):
             fn, args = case_fn(case)
-            lowered = _compat.lower_for(fn, args, arch, "rocm")
-            for mod in _compat.triton_ir_modules(lowered):
+            lowered = testing.lower_for(fn, args, arch, "rocm")
+            for mod in testing.triton_ir_modules(lowered):
                 path = os.path.join(workdir, f"{arch}-{i}.ttir")
                 with open(path, "w") as f:
                     f.write(mod["ir"])

@@ -134,10 +134,10 @@ class Compiler:
 
     def compile(self, fn, args):
         """(compiled, lowered, new kernels {name: resources}, launches {name: launch})."""
-        from k3pallas import _compat, platform
+        from k3pallas import platform, testing
 
         with platform.compiling_for(self.target), self.jax.sharding.use_abstract_mesh(
-                _compat.abstract_mesh(self.arch, "rocm")):
+                testing.abstract_mesh(self.arch, "rocm")):
             lowered = self.jax.jit(fn).trace(*self.structs(args)).lower()
             compiled = lowered.compile()
         new = sorted(set(glob.glob(os.path.join(self.hsaco_dir, "*.hsaco"))) - self.seen_hsaco)
@@ -149,7 +149,7 @@ class Compiler:
         return compiled, lowered, kernels, _newest_thunks(self.dump_dir, self.seen_dumps)
 
     def kernel_case(self, case, fn, args) -> list[dict]:
-        from k3pallas import _compat
+        from k3pallas import testing
 
         t0 = time.time()
         try:
@@ -160,7 +160,7 @@ class Compiler:
             return [{**case, "error": f"{type(e).__name__}: {str(e)[:300]}"}]
         seconds = round(time.time() - t0, 2)
         rows = []
-        for mod in _compat.triton_ir_modules(lowered):
+        for mod in testing.triton_ir_modules(lowered):
             key = hashlib.sha256(mod["ir"].encode()).hexdigest()
             res = kernels.get(mod["name"]) or self.by_ir.get(key)
             if res is None:
@@ -177,11 +177,11 @@ class Compiler:
         return rows
 
     def program(self, name, fn, args) -> dict:
-        from k3pallas import _compat
+        from k3pallas import testing
 
         t0 = time.time()
         compiled, lowered, kernels, launches = self.compile(fn, args)
-        for mod in _compat.triton_ir_modules(lowered):  # ours, compiled before by a kernel case
+        for mod in testing.triton_ir_modules(lowered):  # ours, compiled before by a kernel case
             key = hashlib.sha256(mod["ir"].encode()).hexdigest()
             if mod["name"] not in kernels and key in self.by_ir:
                 kernels[mod["name"]] = self.by_ir[key]

@@ -1,5 +1,5 @@
-"""Benchmark shapes as data: named model configs shared by the benchmark, the tuning sweep, the
-ROCm compile gate and the benchmark's quick test."""
+"""Benchmark token counts, and the model configs of the integration paths that are not ops (each
+op's own shapes are in the op table, ``k3pallas.ops``)."""
 
 from __future__ import annotations
 
@@ -37,17 +37,19 @@ KDA = {
 DEFAULT_TOKENS = (1, 7, 64, 512, 4096, 16384, 65536)
 QUICK_TOKENS = (1, 64)
 
-# Which configs each op is measured on by default (the first is the headline one).
-OP_CONFIGS = {
-    "fused_q_kv_rmsnorm": ("deepseek-v3-mla",),
-    "rmsnorm": ("deepseek-v3-mla",),  # the q latent, 1536 wide
-    "rmsnorm_gated": ("kimi-linear-kda", "kimi-k3-kda-tp8"),
-    "rmsnorm_gated_fp8_per_token": ("kimi-linear-kda", "kimi-k3-kda-tp8", "kimi-k3-kda"),
-    "per_token_fp8_quant": ("kimi-linear-kda",),  # the o_proj input, H*D wide
-    # Integration paths: the packed MLA projection; the KDA output path with its FP8 o_proj.
-    "mla_q_kv_norm": ("deepseek-v3-mla",),
-    "kda_output_fp8": ("kimi-k3-kda-tp8", "kimi-k3-kda"),
-}
+
+def _op_configs() -> dict:
+    """Each op's model configs (the op table, ``k3pallas.ops``; headline first), then the
+    integration paths that are not ops."""
+    from k3pallas import ops
+
+    configs = {name: op.configs for name, op in ops.OPS.items()}
+    # The KDA output path with its FP8 o_proj (bench.ops.make_case).
+    configs["kda_output_fp8"] = ("kimi-k3-kda-tp8", "kimi-k3-kda")
+    return configs
+
+
+OP_CONFIGS = _op_configs()
 OPS = tuple(OP_CONFIGS)
 # Default token counts where an op differs from DEFAULT_TOKENS: the KDA output path is bound by
 # its o_proj GEMM from a few thousand tokens on (and its large-T cases take minutes to autotune

@@ -1,9 +1,10 @@
 """``python -m bench.tune``: sweep launch configs on the GPU and write the per-platform table.
 
-For each op, model config and token count it times every (rows per program, num_warps) pair with
-device-side timing (the kernels have no loop, so ``num_stages`` stays 1), and compares the best
-with the heuristic default. ``--write`` merges the winners into ``k3pallas/tuned_configs.json``
-under the device's architecture, which ``k3pallas.platform.launch_config`` reads. Results (every
+For each op of the op table (``k3pallas.ops``), its model configs and each token count, it times
+every (rows per program, num_warps) pair (``k3pallas.kernels.launch.forced``) with device-side
+timing (the kernels have no loop, so ``num_stages`` stays 1), and compares the best with the
+heuristic default. ``--write`` merges the winners into ``k3pallas/kernels/tuned_configs.json``
+under the device's architecture, which ``k3pallas.kernels.launch.launch_config`` reads. Results (every
 point) go to ``--out``/tune.json and a summary table to tune.md.
 """
 
@@ -20,95 +21,55 @@ import time
 import jax
 import jax.numpy as jnp
 
-from k3pallas import fp8 as fp8_lib
-from k3pallas import platform
-from k3pallas.kernels import common, gated_fp8, rmsnorm as rmsnorm_kernels
+from k3pallas import ops, platform
+from k3pallas.kernels import common, launch
 
 from bench import ops as bench_ops
-from bench import shapes, timing
+from bench import timing
 from bench.report import write_report
 
 TOKENS = (1, 512, 4096, 65536)
 ROWS = (1, 2, 4)
 WARPS = (1, 2, 4, 8, 16)
-TUNE_OPS = {  # op -> model config swept (row sizes of other configs fall back to the heuristic)
-    "fused_q_kv_rmsnorm": ("deepseek-v3-mla",),
-    "rmsnorm": ("deepseek-v3-mla",),
-    "rmsnorm_gated": ("kimi-linear-kda", "kimi-k3-kda-tp8"),
-    "rmsnorm_gated_fp8": ("kimi-linear-kda", "kimi-k3-kda-tp8", "kimi-k3-kda"),
-    "per_token_fp8_quant": ("kimi-linear-kda",),
-}
-
-
-def _kernel_fn(op, cfg_name, dtype, quant):
-    """(make_inputs(seed, T), fn(config, *inputs), row_elems, max_tile) for one op and shape."""
-    cfg = shapes.config(cfg_name)
+def _op_fn(name, cfg_name, dtype):
+    """(make_inputs(seed, T), fn(config, *inputs), (row_elems, max_tile)(T)) of an op of the
+    table, its launch forced to ``config`` (``launch.forced``)."""
+    spec = ops.OPS[name]
     dt = jnp.dtype(dtype)
-    rand = bench_ops._rand
-    if op in ("fused_q_kv_rmsnorm", "rmsnorm"):
-        widths = (cfg.q_lora_rank, cfg.kv_lora_rank) if op == "fused_q_kv_rmsnorm" else (cfg.q_lora_rank,)
-
-        def make(seed, t):
-            ks = jax.random.split(jax.random.PRNGKey(seed), 2 * len(widths))
-            return tuple(rand(ks[i], (t, w), dt) for i, w in enumerate(widths)) + tuple(
-                rand(ks[len(widths) + i], (w,), dt) for i, w in enumerate(widths))
-
-        def fn(config, *a):
-            n = len(widths)
-            return rmsnorm_kernels.rmsnorm_rows(list(a[:n]), list(a[n:]), [cfg.eps] * n, op=op,
-                                                interpret=False, config=config)
-        return make, fn, rmsnorm_kernels.row_elems(widths)
-    if op in ("rmsnorm_gated", "rmsnorm_gated_fp8"):
-        h, d = cfg.heads, cfg.head_dim
-
-        def make(seed, t):
-            ks = jax.random.split(jax.random.PRNGKey(seed), 3)
-            return rand(ks[0], (t, h, d), dt), rand(ks[1], (t, h, d), dt), rand(ks[2], (d,), jnp.float32)
-
-        def fn(config, x, g, w):
-            return gated_fp8.rmsnorm_gated_rows(x, g, w, eps=cfg.eps, activation="sigmoid",
-                                                quant=quant if op == "rmsnorm_gated_fp8" else None,
-                                                interpret=False, config=config)
-        return make, fn, gated_fp8.gated_row_elems(h, d)
-    n = cfg.heads * cfg.head_dim
 
     def make(seed, t):
-        return (rand(jax.random.PRNGKey(seed), (t, n), dt),)
+        structs, _ = spec.example(t, dt, **spec.sizes[cfg_name])
+        return bench_ops._fill(jax.random.PRNGKey(seed), structs)
 
-    def fn(config, x):
-        return gated_fp8.per_token_fp8_rows(x, quant=quant, interpret=False, config=config)
-    return make, fn, gated_fp8.quant_row_elems(n)
+    def fn(config, *a):
+        _, options = spec.example(a[0].shape[0], dt, **spec.sizes[cfg_name])
+        with launch.forced(config):
+            return spec.fn(*a, impl="pallas", **options)
 
-
-def bytes_per_token(op, cfg_name, itemsize):
-    cfg = shapes.config(cfg_name)
-    if op in ("fused_q_kv_rmsnorm", "rmsnorm"):
-        w = cfg.q_lora_rank + (cfg.kv_lora_rank if op == "fused_q_kv_rmsnorm" else 0)
-        return 2 * w * itemsize
-    n = cfg.heads * cfg.head_dim
-    if op == "rmsnorm_gated":
-        return 3 * n * itemsize
-    if op == "rmsnorm_gated_fp8":
-        return 2 * n * itemsize + n + 4
-    return n * itemsize + n + 4
+    def key(t):
+        structs, options = spec.example(t, dt, **spec.sizes[cfg_name])
+        with launch.recording() as log:
+            jax.jit(lambda *a: spec.fn(*a, impl="pallas", **options)).trace(*structs)
+        return log[0].row_elems, log[0].max_tile_row_elems
+    return make, fn, key
 
 
-def sweep(ops, tokens, dtype, calls, log=print, configs=None):
+def sweep(names, tokens, dtype, calls, log=print, configs=None):
     target = platform.current_target()
-    quant = fp8_lib.resolve_fp8_params(target=target)
     points = []
-    for op in ops:
-        for cfg_name in [c for c in TUNE_OPS[op] if configs is None or c in configs]:
-            make, fn, (row_elems, max_tile) = _kernel_fn(op, cfg_name, dtype, quant)
+    for name in names:
+        for cfg_name in [c for c in ops.OPS[name].configs if configs is None or c in configs]:
+            make, fn, key = _op_fn(name, cfg_name, dtype)
             for t in tokens:
-                per_set = bytes_per_token(op, cfg_name, jnp.dtype(dtype).itemsize) * t
+                row_elems, max_tile = key(t)
+                per_set = ops.OPS[name].bytes_moved(cfg_name, t, dtype)
                 sets = [make(s, t) for s in range(bench_ops.rotation_sets(per_set, bench_ops.cache_bytes(target)))]
-                default = platform.heuristic_config(op, t, row_elems, max_tile, target)
+                default = launch.heuristic_config(name, t, row_elems, max_tile, target)
                 results = []
                 for rows, warps in itertools.product(ROWS, WARPS):
                     if rows > max(1, common.pow2(t)):
                         continue
-                    config = platform.LaunchConfig(rows, warps, 1)
+                    config = launch.LaunchConfig(rows, warps, 1)
                     per_thread = rows * max_tile // (warps * target.warp_size)
                     if per_thread > 128 or per_thread < 2:
                         continue  # spills for sure, or idle threads
@@ -116,19 +77,19 @@ def sweep(ops, tokens, dtype, calls, log=print, configs=None):
                     try:
                         tm = timing.time_device(f, sets, n_calls=calls)
                     except Exception as e:  # noqa: BLE001 - a config that fails to compile is data
-                        log(f"  {op} {cfg_name} T={t} R={rows} w={warps}: failed: {str(e)[:120]}")
+                        log(f"  {name} {cfg_name} T={t} R={rows} w={warps}: failed: {str(e)[:120]}")
                         continue
                     results.append({"rows": rows, "warps": warps, "us": tm.median_us})
                 best = min(results, key=lambda r: r["us"])
                 dflt = next((r for r in results if r["rows"] == default.rows_per_program
                              and r["warps"] == default.num_warps), None)
-                points.append({"op": op, "config": cfg_name, "tokens": t, "row_elems": row_elems,
+                points.append({"op": name, "config": cfg_name, "tokens": t, "row_elems": row_elems,
                                "bytes": per_set, "best": best,
                                "default": {"rows": default.rows_per_program,
                                            "warps": default.num_warps,
                                            "us": dflt["us"] if dflt else None},
                                "all": results})
-                log(f"{op} {cfg_name} T={t}: best R={best['rows']} w={best['warps']} "
+                log(f"{name} {cfg_name} T={t}: best R={best['rows']} w={best['warps']} "
                     f"{best['us']:.2f} us; heuristic R={default.rows_per_program} "
                     f"w={default.num_warps} {dflt['us'] if dflt else float('nan'):.2f} us")
     return target, points
@@ -155,7 +116,7 @@ def table(points) -> dict:
 def markdown(target, points) -> str:
     lines = [f"# Launch-config sweep on {target.device_kind} ({target.arch})", "",
              "Device time per call (median). `best` is the fastest (rows per program, num_warps); "
-             "`heuristic` is `platform.heuristic_config`.", "",
+             "`heuristic` is `launch.heuristic_config`.", "",
              "| op | config | T | best R, warps | best us | heuristic R, warps | heuristic us | heuristic / best |",
              "|---|---|---|---|---|---|---|---|"]
     for p in points:
@@ -170,7 +131,7 @@ def markdown(target, points) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default=",".join(TUNE_OPS))
+    p.add_argument("--ops", default=",".join(ops.OPS))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--configs", default=None, help="only these model configs (default: all)")
     p.add_argument("--dtype", default="bfloat16")
@@ -192,7 +153,7 @@ def main(argv=None):
                                         "points": points})
     print(md)
     if args.write:
-        path = platform._TUNED_PATH
+        path = launch._TUNED_PATH
         try:
             with open(path) as f:
                 data = json.load(f)

@@ -58,6 +58,13 @@ class Op:
 
         return getattr(api, self.name)
 
+    def bytes_moved(self, size: str, tokens: int, dtype=jnp.bfloat16) -> int:
+        """Bytes of its inputs and outputs at ``sizes[size]`` (each read or written once)."""
+        structs, options = self.example(tokens, jnp.dtype(dtype), **self.sizes[size])
+        outs = jax.eval_shape(lambda *a: self.fn(*a, impl="reference", **options), *structs)
+        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+                   for a in list(structs) + jax.tree_util.tree_leaves(outs))
+
     @property
     def configs(self) -> tuple[str, ...]:
         """The model configs it is benchmarked, tuned and gated on (headline first)."""
@@ -204,4 +211,9 @@ def call(name: str, impl, arrays, options: dict, *, originals=None):
 
     run = sharding.partitioned(name, rule, kernels.entry(name), interpret=impl == "interpret",
                                **options)
-    return _inference_only(name, run, *arrays)
+    try:
+        return _inference_only(name, run, *arrays)
+    except RuntimeError as e:  # the backend's refusals (a native FP8 cast it cannot do) name the op
+        if str(e).startswith(f"{name}:"):
+            raise
+        raise RuntimeError(f"{name}: {e}") from None

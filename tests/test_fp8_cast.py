@@ -1,4 +1,4 @@
-"""The FP8 conversion choice (k3pallas.fp8_cast): the self-check's values, the selection logic on
+"""The FP8 conversion choice (k3pallas.kernels.fp8_cast): the self-check's values, the selection logic on
 a simulated GPU (interpret mode standing in for the device, a faulty native cast standing in for
 a hardware mismatch), the options and their errors, and the scoped lowering patch for e4m3fnuz."""
 
@@ -12,8 +12,11 @@ import numpy as np
 import pytest
 
 import k3pallas as kp
-from k3pallas import _compat, fp8_cast, platform
+from k3pallas import _compat, platform
+from k3pallas.kernels import fp8_cast
 from k3pallas.kernels import gated_fp8
+from k3pallas import testing
+from k3pallas.kernels import quant
 
 FORMATS = ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2"]
 GFX942 = platform.target_for("gfx942", "rocm")
@@ -55,7 +58,7 @@ def test_native_and_encoder_agree_in_interpret_mode(name):
 def test_fnuz_fixup_flushes_negative_zero():
     """-tiny rounds to zero; in e4m3fnuz that must be 0x00 (0x80 is NaN), native as encoder."""
     v = jnp.asarray([-2.0**-12, -2.0**-11, 2.0**-11, -0.0, float("nan")], jnp.float32)
-    got = np.asarray(jax.lax.bitcast_convert_type(gated_fp8.native_codes(v, jnp.float8_e4m3fnuz), jnp.uint8))
+    got = np.asarray(jax.lax.bitcast_convert_type(quant.native_codes(v, jnp.float8_e4m3fnuz), jnp.uint8))
     assert got.tolist() == [0, 0, 0, 0, 0x80]
 
 
@@ -69,8 +72,8 @@ def test_auto_picks_native_after_a_passing_self_check(fresh, target, name):
 
 
 def test_simulated_mismatch_warns_once_and_falls_back(fresh, monkeypatch):
-    real = gated_fp8.native_codes
-    monkeypatch.setattr(gated_fp8, "native_codes", lambda v, dtype: real(v * (1 + 2.0**-6), dtype))
+    real = quant.native_codes
+    monkeypatch.setattr(quant, "native_codes", lambda v, dtype: real(v * (1 + 2.0**-6), dtype))
     with pytest.warns(RuntimeWarning, match=r"native float8_e4m3fnuz conversion differs from the encoder"):
         d = fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX942)
     assert not d.native and d.mismatches and "encoder 0x" in d.reason
@@ -85,8 +88,8 @@ def test_simulated_mismatch_warns_once_and_falls_back(fresh, monkeypatch):
 
 def test_simulated_mismatch_through_the_api(fresh, monkeypatch, rng):
     """A kernel built after a failed check uses the encoder: its codes equal the encoder's."""
-    real = gated_fp8.native_codes
-    monkeypatch.setattr(gated_fp8, "native_codes", lambda v, dtype: real(v * 1.5, dtype))
+    real = quant.native_codes
+    monkeypatch.setattr(quant, "native_codes", lambda v, dtype: real(v * 1.5, dtype))
     x = jnp.asarray(rng.standard_normal((8, 256)), jnp.float32)
     with pytest.raises(RuntimeError, match="per_token_fp8_quant: fp8_cast='native'"), \
             pytest.warns(RuntimeWarning, match="differs from the encoder"):
@@ -152,8 +155,8 @@ def test_native_path_in_interpret_equals_the_encoder_path(rng, monkeypatch, name
 
 
 def _lower_ir(fn, args, arch="gfx942"):
-    lowered = _compat.lower_for(fn, args, arch, "rocm")
-    return [m["ir"] for m in _compat.triton_ir_modules(lowered)]
+    lowered = testing.lower_for(fn, args, arch, "rocm")
+    return [m["ir"] for m in testing.triton_ir_modules(lowered)]
 
 
 @pytest.mark.parametrize("op", ["gated", "quant"])

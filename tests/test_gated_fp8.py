@@ -12,6 +12,7 @@ import pytest
 
 import k3pallas as kp
 from k3pallas.kernels import common
+from k3pallas import testing
 
 from oracle import (ORACLE_TOL, REFERENCE_TOL, assert_close, check_codes, check_scales, f64,
                     fp8_grid, gated64, quant_oracle)
@@ -40,7 +41,7 @@ GATED_CASES += [(64, (5, 96), "silu", "float16"), (64, (12, 128), "sigmoid", "fl
 def test_rmsnorm_gated_parity(rng, cpu_impl, t, hd, activation, dtype):
     h, d = hd
     x, w, g = _gated_inputs(rng, t, h, d, dtype, gate_dtype="float32" if dtype == "float16" else None)
-    with common.poisoned_outputs():
+    with testing.poisoned_outputs():
         y = jax.jit(lambda *a: kp.rmsnorm_gated(*a, 1e-5, activation=activation, impl=cpu_impl))(x, w, g)
     assert y.shape == x.shape and y.dtype == x.dtype
     assert_close(y, gated64(x, w, g, 1e-5, activation), ORACLE_TOL[dtype], "vs oracle")
@@ -70,7 +71,7 @@ def check_pair(a, b, v, name, what):
 def run_gated_fp8(x, w, g, impl, activation="sigmoid", **q):
     fn = jax.jit(lambda *a: kp.rmsnorm_gated_fp8_per_token(*a, 1e-5, activation=activation,
                                                            impl=impl, **q))
-    with common.poisoned_outputs():
+    with testing.poisoned_outputs():
         return fn(x, w, g)
 
 
@@ -187,7 +188,7 @@ def test_per_token_fp8_parity(rng, cpu_impl, t, n, dtype, name):
     if t > 3:
         x[1] = 0.0
     x = jnp.asarray(x, dtype)
-    with common.poisoned_outputs():
+    with testing.poisoned_outputs():
         out = jax.jit(lambda a: kp.per_token_fp8_quant(a, fp8_dtype=jnp.dtype(name), impl=cpu_impl))(x)
     assert out.data.shape == (t, n) and out.scale.shape == (t, 1)
     scale64, v = quant_oracle(x, name)
@@ -246,7 +247,7 @@ def test_scale_only_and_given_scale_modes(rng, quant_op):
     else:
         rows = functools.partial(kernels.per_token_fp8_rows, x.reshape(37, -1), quant=q,
                                  interpret=True)
-    with common.poisoned_outputs():
+    with testing.poisoned_outputs():
         codes, scale = rows()
         none, scale_only = rows(mode="scale_only")
         codes_given, none2 = rows(mode="given_scale", scale=scale)

@@ -14,6 +14,7 @@ import pytest
 import k3pallas as kp
 from k3pallas import fp8 as fp8_lib
 from k3pallas.kernels import common
+from k3pallas import testing
 
 from oracle import (ORACLE_TOL, REFERENCE_TOL, assert_close, check_codes, check_scales, f64,
                     gated64, quant_oracle, rmsnorm64)
@@ -38,7 +39,7 @@ def test_fused_q_kv_compiled(rng, t, dtype):
     q, kv = _rand(k[0], (t, 1536), dtype, 3.0), _rand(k[1], (t, 512), dtype)
     wq, wkv = _rand(k[2], (1536,), jnp.float32), _rand(k[3], (512,), jnp.bfloat16)
     fn = jax.jit(lambda *a: kp.fused_q_kv_rmsnorm(*a, 1e-6, impl="pallas"))
-    with common.poisoned_outputs():
+    with testing.poisoned_outputs():
         poisoned = jax.jit(lambda *a: kp.fused_q_kv_rmsnorm(*a, 1e-6, impl="pallas"))(q, kv, wq, wkv)
     out1 = fn(q, kv, wq, wkv)
     out2 = fn(q, kv, wq, wkv)
@@ -56,7 +57,7 @@ def test_fused_q_kv_compiled(rng, t, dtype):
 def test_rmsnorm_compiled(rng, t, width):
     k = jax.random.split(jax.random.PRNGKey(int(rng.integers(2**31))), 2)
     x, w = _rand(k[0], (t, width), jnp.bfloat16), _rand(k[1], (width,), jnp.float32)
-    with common.poisoned_outputs():
+    with testing.poisoned_outputs():
         y = jax.jit(lambda a, b: kp.rmsnorm(a, b, impl="pallas"))(x, w)
     assert_close(y, kp.rmsnorm(x, w, impl="reference"), REFERENCE_TOL["bfloat16"])
 
@@ -88,7 +89,7 @@ def test_gated_fp8_compiled(rng, t, hd, name):
     w = jax.random.uniform(k[2], (d,), jnp.float32, 0.2, 2.0)
     dt = jnp.dtype(name)
     fn = jax.jit(lambda *a: kp.rmsnorm_gated_fp8_per_token(*a, fp8_dtype=dt, impl="pallas"))
-    with common.poisoned_outputs():
+    with testing.poisoned_outputs():
         poisoned = jax.jit(lambda *a: kp.rmsnorm_gated_fp8_per_token(*a, fp8_dtype=dt, impl="pallas"))(x, w, g)
     out1, out2 = fn(x, w, g), fn(x, w, g)
     as_u8 = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
@@ -133,7 +134,7 @@ def test_gated_fp8_nan_and_zero_rows_compiled(rng, name):
 def test_per_token_fp8_compiled(rng, t, n, name):
     x = _rand(jax.random.PRNGKey(int(rng.integers(2**31))), (t, n), jnp.bfloat16, 3.0)
     dt = jnp.dtype(name)
-    with common.poisoned_outputs():
+    with testing.poisoned_outputs():
         out = jax.jit(lambda a: kp.per_token_fp8_quant(a, fp8_dtype=dt, impl="pallas"))(x)
     again = jax.jit(lambda a: kp.per_token_fp8_quant(a, fp8_dtype=dt, impl="pallas"))(x)
     assert np.array_equal(np.asarray(out.data).view(np.uint8), np.asarray(again.data).view(np.uint8))
@@ -171,7 +172,7 @@ def test_native_cast_matches_software_encoder(rng, name):
 
 
 # ---------------------------------------------------------------------------------------------
-# The FP8 conversion choice on the device (k3pallas.fp8_cast)
+# The FP8 conversion choice on the device (k3pallas.kernels.fp8_cast)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -185,7 +186,7 @@ def _device_target():
 def test_fp8_cast_self_check_on_the_device(name):
     """The self-check kernel compiled for this GPU; where the target has a native conversion for
     the format, both paths agree on every value and auto picks native."""
-    from k3pallas import fp8_cast
+    from k3pallas.kernels import fp8_cast
 
     target = _device_target()
     reason = fp8_cast.native_unavailable(target, name)

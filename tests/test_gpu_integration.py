@@ -12,6 +12,7 @@ import pytest
 import k3pallas as kp
 from k3pallas.kernels import common
 from k3pallas.models import kimi_k3
+from k3pallas import testing
 
 from bench import hlo
 from oracle import ORACLE_TOL, REFERENCE_TOL, assert_close, f64, rmsnorm64
@@ -27,7 +28,7 @@ def test_mla_q_kv_norm_compiled(rng, t, rope):
     wq = jnp.asarray(rng.uniform(0.5, 1.5, 1536), jnp.bfloat16)
     wkv = jnp.asarray(rng.uniform(-1.5, 1.5, 512), jnp.float32)
     fn = jax.jit(lambda *x: kp.mla_q_kv_norm(*x, impl="pallas"))
-    with common.poisoned_outputs():
+    with testing.poisoned_outputs():
         poisoned = jax.jit(lambda *x: kp.mla_q_kv_norm(*x, impl="pallas"))(a, wq, wkv)
     out = fn(a, wq, wkv)
     ref = kp.mla_q_kv_norm(a, wq, wkv, impl="reference")

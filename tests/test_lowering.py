@@ -10,8 +10,10 @@ import pytest
 
 import k3pallas as kp
 from k3pallas import _compat, platform
+from k3pallas.kernels import launch
+from k3pallas import testing
 
-TARGETS = list(platform.KNOWN_TARGETS.values())
+TARGETS = list(testing.KNOWN_TARGETS.values())
 TRITON_CALL = "__gpu$xla.gpu.triton"
 FP8 = [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float8_e5m2]
 
@@ -22,7 +24,7 @@ def sds(shape, dtype=jnp.bfloat16):
 
 def lowered_text(fn, args, target):
     kind, plat = target
-    return _compat.lower_for(fn, args, kind, plat).as_text()
+    return testing.lower_for(fn, args, kind, plat).as_text()
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t[0])
@@ -47,7 +49,7 @@ def test_gated_fp8_one_launch(target, fp8_dtype, hd):
     fn = lambda *a: kp.rmsnorm_gated_fp8_per_token(*a, fp8_dtype=fp8_dtype, impl="pallas")  # noqa: E731
     text = lowered_text(fn, (x, w, g), target)
     assert text.count(TRITON_CALL) == 1
-    assert "k3pallas_rmsnorm_gated_fp8" in text
+    assert "k3pallas_rmsnorm_gated_fp8_per_token" in text
     fn = lambda a: kp.per_token_fp8_quant(a, fp8_dtype=fp8_dtype, impl="pallas")  # noqa: E731
     assert lowered_text(fn, (sds((64, h * d)),), target).count(TRITON_CALL) == 1
 
@@ -72,14 +74,14 @@ def test_launch_config_follows_the_target(tokens):
     wavefronts on gfx942 / gfx950), and the grid covers every row."""
     args = (sds((tokens, 1536)), sds((tokens, 512)), sds((1536,)), sds((512,)))
     warps = {}
-    for name, target in platform.KNOWN_TARGETS.items():
+    for name, target in testing.KNOWN_TARGETS.items():
         text = lowered_text(lambda *a: kp.fused_q_kv_rmsnorm(*a, impl="pallas"), args, target)
-        (launch,) = _compat.triton_launches(text)
-        cfg = platform.launch_config("fused_q_kv_rmsnorm", tokens, 2048 + 512, 2048,
+        (launched,) = testing.triton_launches(text)
+        cfg = launch.launch_config("fused_q_kv_rmsnorm", tokens, 2048 + 512, 2048,
                                      platform.target_for(*target))
-        assert launch["num_warps"] == cfg.num_warps and launch["num_stages"] == cfg.num_stages
-        assert launch["grid_x"] == -(-tokens // cfg.rows_per_program)
-        assert launch["name"] == "k3pallas_fused_q_kv_rmsnorm"
+        assert launched["num_warps"] == cfg.num_warps and launched["num_stages"] == cfg.num_stages
+        assert launched["grid_x"] == -(-tokens // cfg.rows_per_program)
+        assert launched["name"] == "k3pallas_fused_q_kv_rmsnorm"
         warps[name] = cfg.num_warps * platform.target_for(*target).warp_size
     assert all(threads <= 1024 for threads in warps.values())
 
@@ -123,6 +125,6 @@ def test_cross_device_scale_modes_lower(target, mode):
 
     args = (sds((64, 12, 128)), sds((128,), jnp.float32), sds((64, 12, 128)), sds((64,), jnp.float32))
     text = lowered_text(gated, args, target)
-    assert text.count(TRITON_CALL) == 1 and f"k3pallas_rmsnorm_gated_fp8_{mode}" in text
+    assert text.count(TRITON_CALL) == 1 and f"k3pallas_rmsnorm_gated_fp8_per_token_{mode}" in text
     text = lowered_text(quant, (sds((64, 1536)), sds((64,), jnp.float32)), target)
     assert text.count(TRITON_CALL) == 1 and f"k3pallas_per_token_fp8_quant_{mode}" in text

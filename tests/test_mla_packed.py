@@ -12,10 +12,12 @@ import pytest
 import k3pallas as kp
 from k3pallas import _compat, platform
 from k3pallas.kernels import common
+from k3pallas.kernels import launch
+from k3pallas import testing
 
 from oracle import ORACLE_TOL, REFERENCE_TOL, assert_close, rmsnorm64
 
-TARGETS = list(platform.KNOWN_TARGETS.values())
+TARGETS = list(testing.KNOWN_TARGETS.values())
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
 # (q_size, kv_size, rope): the MLA sizes, rope width 0, and odd sizes whose kv and rope parts
@@ -39,7 +41,7 @@ def test_parity(rng, cpu_impl, sizes, t, dtype):
     dq, dkv, rope = sizes
     a, wq, wkv = _packed(rng, t, sizes, dtype)
     eps, kv_eps = 1e-6, 1e-5
-    with common.poisoned_outputs():
+    with testing.poisoned_outputs():
         q, kv, pe = jax.jit(lambda *x: kp.mla_q_kv_norm(*x, eps, kv_eps=kv_eps, q_size=dq, kv_size=dkv,
                                                         impl=cpu_impl))(a, wq, wkv)
     assert (q.shape, kv.shape, pe.shape) == ((t, dq), (t, dkv), (t, rope))
@@ -110,15 +112,15 @@ def test_lowered_module_is_one_call_without_slices(target, sizes):
     dq, dkv, rope = sizes
     args = (jax.ShapeDtypeStruct((4096, dq + dkv + rope), jnp.bfloat16),
             jax.ShapeDtypeStruct((dq,), jnp.bfloat16), jax.ShapeDtypeStruct((dkv,), jnp.bfloat16))
-    text = _compat.lower_for(lambda *x: kp.mla_q_kv_norm(*x, impl="pallas"), args, *target).as_text()
+    text = testing.lower_for(lambda *x: kp.mla_q_kv_norm(*x, impl="pallas"), args, *target).as_text()
     assert text.count(TRITON_CALL) == 1
     assert "k3pallas_mla_q_kv_norm" in text
     assert "stablehlo.slice" not in text and "dynamic_slice" not in text
-    (launch,) = _compat.triton_launches(text)
-    cfg = platform.launch_config("mla_q_kv_norm", 4096, 2048 + 512 + (64 if rope else 0),
+    (launched,) = testing.triton_launches(text)
+    cfg = launch.launch_config("mla_q_kv_norm", 4096, 2048 + 512 + (64 if rope else 0),
                                  2048, platform.target_for(*target))
-    assert launch["num_warps"] == cfg.num_warps and launch["grid_x"] == -(-4096 // cfg.rows_per_program)
+    assert launched["num_warps"] == cfg.num_warps and launched["grid_x"] == -(-4096 // cfg.rows_per_program)
 
     def sliced(a, wq, wkv):
         return kp.fused_q_kv_rmsnorm(a[:, :dq], a[:, dq:dq + dkv], wq, wkv, impl="pallas")
-    assert "stablehlo.slice" in _compat.lower_for(sliced, args, *target).as_text()
+    assert "stablehlo.slice" in testing.lower_for(sliced, args, *target).as_text()

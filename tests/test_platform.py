@@ -6,7 +6,10 @@ import pytest
 
 from k3pallas import platform
 from k3pallas.kernels import common
-from k3pallas.platform import LaunchConfig
+from k3pallas.kernels.launch import LaunchConfig
+from k3pallas.kernels import launch
+from k3pallas import ops as k3ops
+from k3pallas import testing
 
 
 def test_targets():
@@ -27,20 +30,20 @@ def test_current_target_in_abstract_mesh():
 
     from k3pallas import _compat
 
-    with jax.sharding.use_abstract_mesh(_compat.abstract_mesh("gfx950", "rocm")):
+    with jax.sharding.use_abstract_mesh(testing.abstract_mesh("gfx950", "rocm")):
         t = platform.current_target()
     assert (t.backend, t.arch, t.warp_size) == ("rocm", "gfx950", 64)
 
 
-@pytest.mark.parametrize("name", list(platform.KNOWN_TARGETS))
+@pytest.mark.parametrize("name", list(testing.KNOWN_TARGETS))
 @pytest.mark.parametrize("op,row_elems,tile", [("fused_q_kv_rmsnorm", 2560, 2048),
-                                               ("rmsnorm_gated_fp8", 8192, 4096),
-                                               ("rmsnorm_gated_fp8", 3072, 1024),
+                                               ("rmsnorm_gated_fp8_per_token", 8192, 4096),
+                                               ("rmsnorm_gated_fp8_per_token", 3072, 1024),
                                                ("per_token_fp8_quant", 4096, 4096)])
 def test_heuristic_is_valid_everywhere(name, op, row_elems, tile):
-    target = platform.target_for(*platform.KNOWN_TARGETS[name])
+    target = platform.target_for(*testing.KNOWN_TARGETS[name])
     for t in (1, 2, 7, 64, 512, 4096, 65536, 2**21):
-        c = platform.heuristic_config(op, t, row_elems, tile, target)
+        c = launch.heuristic_config(op, t, row_elems, tile, target)
         assert c.rows_per_program <= max(1, 2 ** (t - 1).bit_length())
         assert c.num_warps * target.warp_size <= 1024
         # A thread holds between 1 and 128 elements of its largest tile.
@@ -53,36 +56,36 @@ def test_heuristic_is_valid_everywhere(name, op, row_elems, tile):
 
 def test_heuristic_regimes():
     h200 = platform.target_for("NVIDIA H200", "cuda")
-    small = platform.heuristic_config("rmsnorm_gated_fp8", 1, 8192, 4096, h200)
-    large = platform.heuristic_config("rmsnorm_gated_fp8", 65536, 8192, 4096, h200)
+    small = launch.heuristic_config("rmsnorm_gated_fp8_per_token", 1, 8192, 4096, h200)
+    large = launch.heuristic_config("rmsnorm_gated_fp8_per_token", 65536, 8192, 4096, h200)
     assert small.num_warps > large.num_warps  # latency: spread a row; throughput: fewer warps
     gfx = platform.target_for("gfx942", "rocm")
-    assert platform.heuristic_config("fused_q_kv_rmsnorm", 1, 2560, 2048, gfx).num_warps * 64 <= 1024
+    assert launch.heuristic_config("fused_q_kv_rmsnorm", 1, 2560, 2048, gfx).num_warps * 64 <= 1024
 
 
 def test_tuned_table_lookup(monkeypatch):
     table = {"sm_90": {"fused_q_kv_rmsnorm": [[22, 2560, 1, 4, 1], [2**31, 2560, 2, 1, 1],
                                               [1448, 9999, 4, 8, 1]]}}
-    monkeypatch.setattr(platform, "tuned_table", lambda: table)
+    monkeypatch.setattr(launch, "tuned_table", lambda: table)
     h200 = platform.target_for("NVIDIA H200", "cuda")
-    assert platform.launch_config("fused_q_kv_rmsnorm", 7, 2560, 2048, h200) == LaunchConfig(1, 4, 1)
-    assert platform.launch_config("fused_q_kv_rmsnorm", 65536, 2560, 2048, h200) == LaunchConfig(2, 1, 1)
+    assert launch.launch_config("fused_q_kv_rmsnorm", 7, 2560, 2048, h200) == LaunchConfig(1, 4, 1)
+    assert launch.launch_config("fused_q_kv_rmsnorm", 65536, 2560, 2048, h200) == LaunchConfig(2, 1, 1)
     # Rows per program never exceed the padded row count.
-    assert platform.launch_config("fused_q_kv_rmsnorm", 23, 2560, 2048, h200).rows_per_program == 2
+    assert launch.launch_config("fused_q_kv_rmsnorm", 23, 2560, 2048, h200).rows_per_program == 2
     # Another row size, or another arch: the heuristic.
-    other = platform.launch_config("fused_q_kv_rmsnorm", 65536, 1024, 1024, h200)
-    assert other == platform.heuristic_config("fused_q_kv_rmsnorm", 65536, 1024, 1024, h200)
+    other = launch.launch_config("fused_q_kv_rmsnorm", 65536, 1024, 1024, h200)
+    assert other == launch.heuristic_config("fused_q_kv_rmsnorm", 65536, 1024, 1024, h200)
     gfx = platform.target_for("gfx942", "rocm")
-    assert platform.launch_config("fused_q_kv_rmsnorm", 7, 2560, 2048, gfx) == \
-        platform.heuristic_config("fused_q_kv_rmsnorm", 7, 2560, 2048, gfx)
+    assert launch.launch_config("fused_q_kv_rmsnorm", 7, 2560, 2048, gfx) == \
+        launch.heuristic_config("fused_q_kv_rmsnorm", 7, 2560, 2048, gfx)
     with pytest.raises(ValueError, match="unknown op"):
-        platform.launch_config("nope", 1, 1)
+        launch.launch_config("nope", 1, 1)
 
 
 def test_shipped_tuned_table_is_well_formed():
-    for arch, ops in platform.tuned_table().items():
+    for arch, ops in launch.tuned_table().items():
         for op, entries in ops.items():
-            assert op in platform.OPS, op
+            assert op in k3ops.OPS, op
             for max_tokens, row_elems, rows, warps, stages in entries:
                 LaunchConfig(rows, warps, stages)  # validates powers of two
                 assert max_tokens >= 1 and row_elems >= 1

@@ -10,6 +10,7 @@ import pytest
 
 import k3pallas as kp
 from k3pallas.kernels import common
+from k3pallas import testing
 
 from oracle import ORACLE_TOL, REFERENCE_TOL, assert_close, rmsnorm64
 
@@ -36,7 +37,7 @@ def test_fused_q_kv_parity(rng, cpu_impl, t, widths, dtype):
     dq, dkv = widths
     q, kv, wq, wkv = _inputs(rng, t, dq, dkv, dtype, OTHER_WEIGHT_DTYPE[dtype])
     eps, kv_eps = 1e-6, 1e-5
-    with common.poisoned_outputs():
+    with testing.poisoned_outputs():
         fn = jax.jit(lambda *a: kp.fused_q_kv_rmsnorm(*a, eps, kv_eps=kv_eps, impl=cpu_impl))
         q_out, kv_out = fn(q, kv, wq, wkv)
     assert q_out.dtype == q.dtype and kv_out.dtype == kv.dtype
@@ -55,7 +56,7 @@ def test_fused_q_kv_parity(rng, cpu_impl, t, widths, dtype):
 def test_rmsnorm_parity(rng, cpu_impl, t, width, dtype):
     x = jnp.asarray(rng.standard_normal((t, width)), dtype)
     w = jnp.asarray(rng.uniform(-2, 2, width), OTHER_WEIGHT_DTYPE[dtype])
-    with common.poisoned_outputs():
+    with testing.poisoned_outputs():
         y = jax.jit(lambda a, b: kp.rmsnorm(a, b, 1e-6, impl=cpu_impl))(x, w)
     assert y.dtype == x.dtype
     assert_close(y, rmsnorm64(x, w, 1e-6), ORACLE_TOL[dtype], "vs oracle")
@@ -90,13 +91,13 @@ def test_scale_invariance_extremes(rng, cpu_impl):
 def test_launch_configs_partial_blocks(rng, rows, warps):
     """Every rows-per-program value, with a partial last block (37 rows), gives the same result."""
     from k3pallas.kernels import rmsnorm as kernels
-    from k3pallas.platform import LaunchConfig
+    from k3pallas.kernels.launch import LaunchConfig
 
     q = jnp.asarray(rng.standard_normal((37, 1000)), jnp.bfloat16)
     kv = jnp.asarray(rng.standard_normal((37, 72)), jnp.bfloat16)
     wq = jnp.asarray(rng.standard_normal(1000), jnp.float32)
     wkv = jnp.asarray(rng.standard_normal(72), jnp.float32)
-    with common.poisoned_outputs():
+    with testing.poisoned_outputs():
         q_out, kv_out = kernels.rmsnorm_rows([q, kv], [wq, wkv], [1e-6, 1e-6], op="fused_q_kv_rmsnorm",
                                              interpret=True, config=LaunchConfig(rows, warps))
     assert_close(q_out, rmsnorm64(q, wq, 1e-6), ORACLE_TOL["bfloat16"])

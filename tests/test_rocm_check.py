@@ -10,6 +10,7 @@ import pytest
 import k3pallas as kp
 from bench import rocm_check
 from k3pallas import _compat
+from k3pallas import testing
 
 AMDGCN = """
 \t.amdhsa_kernel k
@@ -50,8 +51,8 @@ def test_gate():
 @pytest.mark.parametrize("arch", rocm_check.ARCHS)
 def test_triton_ir_extracted_for_rocm(arch):
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((4096, 1536), (4096, 512), (1536,), (512,))]
-    lowered = _compat.lower_for(lambda *a: kp.fused_q_kv_rmsnorm(*a, impl="pallas"), args, arch, "rocm")
-    (mod,) = _compat.triton_ir_modules(lowered)
+    lowered = testing.lower_for(lambda *a: kp.fused_q_kv_rmsnorm(*a, impl="pallas"), args, arch, "rocm")
+    (mod,) = testing.triton_ir_modules(lowered)
     assert mod["name"] == "k3pallas_fused_q_kv_rmsnorm" and mod["grid"][0] >= 1
     assert "tt.func public @k3pallas_fused_q_kv_rmsnorm" in mod["ir"]
     assert "tt.load" in mod["ir"] and "tt.store" in mod["ir"]
@@ -61,8 +62,8 @@ def test_64bit_offsets_for_huge_arrays():
     """2**21 rows of 2048 bf16 (8 GiB): the IR indexes with i64; 4096 rows: i32 only."""
     def ir_for(t):
         args = [jax.ShapeDtypeStruct((t, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((2048,), jnp.bfloat16)]
-        lowered = _compat.lower_for(lambda *a: kp.rmsnorm(*a, impl="pallas"), args, "gfx942", "rocm")
-        return _compat.triton_ir_modules(lowered)[0]["ir"]
+        lowered = testing.lower_for(lambda *a: kp.rmsnorm(*a, impl="pallas"), args, "gfx942", "rocm")
+        return testing.triton_ir_modules(lowered)[0]["ir"]
 
     assert "xi64>" in ir_for(2**21)
     assert "xi64>" not in ir_for(4096)
@@ -178,16 +179,19 @@ def test_target_configs_are_read_from_the_plugin_binary(tmp_path):
 
 
 def test_gate_cases():
+    from k3pallas import ops as op_table
+
+    FP8_OPS = {name for name, op in op_table.OPS.items() if op.fp8}
     cases = rocm_check.cases((1, 4096), None)
-    fp8 = [c for c in cases if c["op"] in rocm_check.FP8_OPS]
+    fp8 = [c for c in cases if c["op"] in FP8_OPS]
     assert fp8 and {c["fp8_cast"] for c in fp8} == {"encoder", "native"}
-    assert all("fp8_cast" not in c for c in cases if c["op"] not in rocm_check.FP8_OPS)
+    assert all("fp8_cast" not in c for c in cases if c["op"] not in FP8_OPS)
     assert rocm_check.BROKEN not in cases
     ops = {c["op"] for c in cases}
-    assert ops == {"fused_q_kv_rmsnorm", "rmsnorm", "mla_q_kv_norm", "rmsnorm_gated",
-                   "rmsnorm_gated_fp8_per_token", "per_token_fp8_quant"}
+    assert ops == set(op_table.OPS)  # every op of the table, with no list of its own
+    assert {"fused_q_kv_rmsnorm", "rmsnorm_gated_fp8_per_token"} <= FP8_OPS | ops
     fn, args = rocm_check.case_fn(rocm_check.BROKEN)  # the forced launch: 64 rows, 1 wavefront
-    (launch,) = _compat.triton_launches(_compat.lower_for(fn, args, "gfx942", "rocm").as_text())
+    (launch,) = testing.triton_launches(testing.lower_for(fn, args, "gfx942", "rocm").as_text())
     assert (launch["num_warps"], launch["grid_x"]) == (1, 4096 // 64)
 
 

@@ -158,6 +158,10 @@ def recording():
 def launch_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int | None = None,
                   target: Target | None = None) -> LaunchConfig:
     """The launch config for ``op`` on ``target`` (default: ``current_target()``)."""
+    from k3pallas import kernels
+
+    if op not in kernels.ops():
+        raise ValueError(f"unknown op {op!r}; the kernels launch {kernels.ops()}")
     target = current_target() if target is None else target
     max_tile_row_elems = row_elems if max_tile_row_elems is None else max_tile_row_elems
     config = _FORCED.get()
