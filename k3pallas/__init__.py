@@ -7,27 +7,27 @@ Public API (``import k3pallas as kp``):
 * ``kp.rmsnorm_gated``: per-head ``rmsnorm(x) * weight * act(gate)`` (Kimi Delta Attention).
 * ``kp.rmsnorm_gated_fp8_per_token``: that, fused with dynamic per-token FP8, in one launch.
 * ``kp.per_token_fp8_quant``: dynamic per-token FP8 of an already-normed activation.
+* ``kp.sigmoid_mul_fp8_per_token``: MLA's output gate ``x * sigmoid(gate)`` fused with per-token
+  FP8 (the o_proj input), in one launch.
+* ``kp.fused_q_kv_rmsnorm_fp8`` / ``kp.mla_q_kv_norm_fp8``: the joint norm with q quantized to
+  per-token FP8 (the q_b projection input), in one launch.
 * ``kp.quantize_weight_per_channel`` and ``kp.fp8_linear``: the FP8 matmul that consumes the
   quantized activation (``linear.py``; XLA's vendor FP8 GEMM, no Pallas).
 * ``kp.QuantizedActivation``, ``kp.default_fp8_dtype`` and the ``FP8_*_MAX`` constants;
   ``kp.fp8_cast_decisions()``: which FP8 conversion the kernels use, and why.
 
-Where things are: ``api.py`` (these functions), ``reference.py`` (the jnp semantics),
-``kernels/`` (the Pallas Triton kernels), ``platform.py`` (targets and launch configs),
-``fp8.py`` (format rules and the bit encoder), ``fp8_cast.py`` (native conversion or encoder:
-the device self-check), ``linear.py`` (FP8 matmul), ``models/`` (runnable
-Kimi-K3 blocks), ``_compat.py`` (jax-version shims).
+Where things are: ``api.py`` (these functions: argument checks and docs), ``ops.py`` (the op
+table: each op's sharding rule, reference, benchmark shapes; the one dispatch),
+``reference.py`` (the jnp semantics), ``kernels/`` (the backend: Pallas Triton kernels, their
+launch configs in ``kernels/launch.py``, the FP8 conversion choice in ``kernels/fp8_cast.py``),
+``platform.py`` (targets), ``fp8.py`` (format rules and the bit encoder), ``sharding.py``
+(partitioning rules), ``linear.py`` (FP8 matmul), ``models/`` (runnable Kimi-K3 blocks),
+``testing.py`` (tooling for tests and bench only), ``_compat.py`` (every private-jax use).
 """
 
 from k3pallas import reference
-from k3pallas.api import (
-    fused_q_kv_rmsnorm,
-    mla_q_kv_norm,
-    per_token_fp8_quant,
-    rmsnorm,
-    rmsnorm_gated,
-    rmsnorm_gated_fp8_per_token,
-)
+from k3pallas.api import *  # noqa: F403  (the public functions: api.__all__, one per op of k3pallas.ops)
+from k3pallas.api import __all__ as _api_all
 from k3pallas.fp8 import (
     FP8_E4M3FN_MAX,
     FP8_E4M3FNUZ_MAX,
@@ -43,7 +43,6 @@ from k3pallas.platform import current_target
 __version__ = "0.1.0"
 
 __all__ = [
-    "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm", "rmsnorm_gated", "rmsnorm_gated_fp8_per_token",
-    "per_token_fp8_quant", "quantize_weight_per_channel", "fp8_linear", "QuantizedActivation", "default_fp8_dtype", "current_target", "fp8_cast_decisions",
+    *_api_all, "quantize_weight_per_channel", "fp8_linear", "QuantizedActivation", "default_fp8_dtype", "current_target", "fp8_cast_decisions",
     "FP8_E4M3FN_MAX", "FP8_E4M3FNUZ_MAX", "FP8_E4M3FNUZ_MAX_AITER", "FP8_E5M2_MAX", "reference",
 ]

@@ -29,7 +29,8 @@ from k3pallas.fp8 import QuantizedActivation
 from k3pallas.ops import IMPLS, call
 
 __all__ = ["rmsnorm", "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm_gated", "rmsnorm_gated_fp8_per_token",
-           "per_token_fp8_quant", "IMPLS", "ACTIVATIONS"]
+           "per_token_fp8_quant", "sigmoid_mul_fp8_per_token", "fused_q_kv_rmsnorm_fp8",
+           "mla_q_kv_norm_fp8", "IMPLS", "ACTIVATIONS"]
 
 ACTIVATIONS = ("sigmoid", "silu")
 SUPPORTED_DTYPES = FLOAT_DTYPES
@@ -125,6 +126,11 @@ def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None,
     Raises: as ``rmsnorm``; ValueError if the leading dims differ.
     """
     op = "fused_q_kv_rmsnorm"
+    eps, kv_eps = _check_fused(op, q_c, kv_c, q_weight, kv_weight, eps, kv_eps)
+    return tuple(call(op, impl, (q_c, kv_c, q_weight, kv_weight), dict(eps=eps, kv_eps=kv_eps)))
+
+
+def _check_fused(op, q_c, kv_c, q_weight, kv_weight, eps, kv_eps):
     _check_array(op, "q_c", q_c)
     _check_array(op, "kv_c", kv_c)
     if q_c.shape[:-1] != kv_c.shape[:-1]:
@@ -133,8 +139,7 @@ def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None,
     _check_weight(op, "q_weight", q_weight, q_c.shape[-1], "q_c")
     _check_weight(op, "kv_weight", kv_weight, kv_c.shape[-1], "kv_c")
     eps = _check_eps(op, "eps", eps)
-    kv_eps = eps if kv_eps is None else _check_eps(op, "kv_eps", kv_eps)
-    return tuple(call(op, impl, (q_c, kv_c, q_weight, kv_weight), dict(eps=eps, kv_eps=kv_eps)))
+    return eps, (eps if kv_eps is None else _check_eps(op, "kv_eps", kv_eps))
 
 
 def _check_size(op, name, value, minimum):
@@ -171,6 +176,14 @@ def mla_q_kv_norm(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_size=1
     Raises: as ``rmsnorm``; ValueError if ``qkv_a`` has fewer than ``q_size + kv_size`` columns.
     """
     op = "mla_q_kv_norm"
+    options = _check_packed(op, qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size)
+    outs = tuple(call(op, impl, (qkv_a, q_weight, kv_weight), options))
+    if len(outs) == 2:  # no rope part: the kernel writes none
+        outs += (jnp.zeros(qkv_a.shape[:-1] + (0,), qkv_a.dtype),)
+    return outs
+
+
+def _check_packed(op, qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size) -> dict:
     _check_array(op, "qkv_a", qkv_a)
     q_size = _check_size(op, "q_size", q_size, 1)
     kv_size = _check_size(op, "kv_size", kv_size, 1)
@@ -183,18 +196,14 @@ def mla_q_kv_norm(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_size=1
     _check_weight(op, "kv_weight", kv_weight, kv_size, "kv_c (kv_size)")
     eps = _check_eps(op, "eps", eps)
     kv_eps = eps if kv_eps is None else _check_eps(op, "kv_eps", kv_eps)
-    outs = tuple(call(op, impl, (qkv_a, q_weight, kv_weight),
-                      dict(q_size=q_size, kv_size=kv_size, eps=eps, kv_eps=kv_eps)))
-    if len(outs) == 2:  # no rope part: the kernel writes none
-        outs += (jnp.zeros(qkv_a.shape[:-1] + (0,), qkv_a.dtype),)
-    return outs
+    return dict(q_size=q_size, kv_size=kv_size, eps=eps, kv_eps=kv_eps)
 
 
 # ------------------------------------------------------------------------------------------------
 # Gated RMSNorm, its FP8 fusion, and per-token FP8
 # ------------------------------------------------------------------------------------------------
 
-_FP8_DOC = """
+_FP8_OPTIONS_DOC = """
     Per-token FP8 (vLLM's dynamic per-token semantics), over the whole row:
     ``amax = max|y|``; ``scale = max(min(amax, scale_ub) / fp8_max, min_scale)``;
     ``data = round_to_nearest_even(clamp(y / scale, -fp8_max, fp8_max))``. A zero row gets
@@ -208,6 +217,8 @@ _FP8_DOC = """
         57344 (e5m2); at most the format's largest finite value.
       min_scale: default ``1 / (fp8_max * 512)``.
       scale_ub: optional upper bound on ``amax`` (default None: no bound).
+"""
+_FP8_GROUPS_DOC = """
       scale_groups: ``G`` (default 1), a Python int dividing the quantized axis: one scale per
         token for each of ``G`` equal, contiguous column groups (of heads, for the gated op),
         ``scale [..., G]``; ``fp8_linear`` takes it. Sharded over a mesh axis (heads under
@@ -215,6 +226,8 @@ _FP8_DOC = """
         device (what a row-parallel o_proj consumes: each rank quantizes its slice); ``G = 1``
         gives one scale per token across all shards (an all-reduce max of the per-shard
         scales). See ``k3pallas.sharding``.
+"""
+_FP8_CAST_DOC = """
       fp8_cast: the float32 -> FP8 conversion in the kernel: "auto" (the hardware conversion
         where the target has one and a self-check on the device showed it equal to the integer
         encoder, else the encoder), "native" (RuntimeError where that is not possible),
@@ -223,6 +236,7 @@ _FP8_DOC = """
         way; ``k3pallas.fp8_cast`` explains the check, ``kp.fp8_cast_decisions()`` what was
         decided. Ignored by ``impl="reference"`` (XLA's cast).
 """
+_FP8_DOC = _FP8_OPTIONS_DOC + _FP8_GROUPS_DOC + _FP8_CAST_DOC
 
 
 def _check_gated(op, x, weight, gate, eps, activation):
@@ -322,4 +336,83 @@ per_token_fp8_quant.__doc__ = """Dynamic per-token FP8 of ``x [..., N]`` (an alr
 
     Raises: TypeError / ValueError naming the bad argument; RuntimeError for impl="pallas"
     without a GPU target; TypeError on any gradient.
+    """
+
+
+def sigmoid_mul_fp8_per_token(x, gate, *, fp8_dtype=None, fp8_max=None, min_scale=None,
+                              scale_ub=None, scale_groups=1, fp8_cast=None,
+                              impl="auto") -> QuantizedActivation:
+    op = "sigmoid_mul_fp8_per_token"
+    _check_array(op, "x", x)
+    _check_array(op, "gate", gate)
+    if gate.shape != x.shape:
+        raise ValueError(f"{op}: gate must have the shape of x; got gate {tuple(gate.shape)} and "
+                         f"x {tuple(x.shape)}")
+    q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
+    n = x.shape[-1]
+    groups = _check_groups(op, scale_groups, n, "the last dim of x")
+    lead = x.shape[:-1]
+    xg = x.reshape(lead + (groups, n // groups))
+    data, scale = call(op, impl, (xg, gate.reshape(xg.shape)), dict(fp8=q), originals=(x, gate))
+    return QuantizedActivation(data.reshape(x.shape), scale.reshape(lead + (groups,)))
+
+
+sigmoid_mul_fp8_per_token.__doc__ = """MLA's output gate fused with dynamic per-token FP8, ONE launch.
+
+    ``y = x * sigmoid(gate)`` in float32 (Kimi-K3's gated MLA output, the o_proj input), then
+    per-token FP8 of ``y``; ``y`` itself never goes through memory.
+
+    Args:
+      x, gate: ``[..., N]`` float16 / bfloat16 / float32, the same shape (``N = H * D``: 96 x 128
+        for the whole Kimi-K3 layer, 12 x 128 per TP8 rank); their dtypes may differ.
+""" + _FP8_DOC + """      impl: "auto", "pallas", "interpret" or "reference".
+
+    Returns: ``QuantizedActivation(data [..., N] fp8, scale [..., G] float32)``.
+
+    Raises: TypeError / ValueError naming the bad argument; RuntimeError for impl="pallas"
+    without a GPU target; TypeError on any gradient.
+    """
+
+
+def fused_q_kv_rmsnorm_fp8(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None,
+                           fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None,
+                           fp8_cast=None, impl="auto"):
+    op = "fused_q_kv_rmsnorm_fp8"
+    eps, kv_eps = _check_fused(op, q_c, kv_c, q_weight, kv_weight, eps, kv_eps)
+    q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
+    data, scale, kv_out = call(op, impl, (q_c, kv_c, q_weight, kv_weight),
+                               dict(eps=eps, kv_eps=kv_eps, fp8=q))
+    return QuantizedActivation(data, scale), kv_out
+
+
+def mla_q_kv_norm_fp8(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_size=1536,
+                      kv_size=512, fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None,
+                      fp8_cast=None, impl="auto"):
+    op = "mla_q_kv_norm_fp8"
+    options = _check_packed(op, qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size)
+    q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
+    data, scale, kv_out, *pe = call(op, impl, (qkv_a, q_weight, kv_weight), dict(options, fp8=q))
+    if not pe:  # no rope part: the kernel writes none
+        pe = [jnp.zeros(qkv_a.shape[:-1] + (0,), qkv_a.dtype)]
+    return QuantizedActivation(data, scale), kv_out, pe[0]
+
+
+_Q_FP8_DOC = """
+    q is normalized in float32 and quantized straight from there (never rounded to its dtype
+    first), with one scale per token over its ``Dq`` columns, ``scale [..., 1]``: the input of
+    an FP8 q_b projection (``fp8_linear``). kv is normalized in its dtype, as in the bf16 op.
+""" + _FP8_OPTIONS_DOC + _FP8_CAST_DOC
+
+fused_q_kv_rmsnorm_fp8.__doc__ = """Joint q/kv RMSNorm with q quantized to per-token FP8, ONE launch.
+
+    As ``fused_q_kv_rmsnorm`` (same arguments; the FP8 options below), returning
+    ``(QuantizedActivation(q data [..., Dq] fp8, q scale [..., 1] float32), kv_out [..., Dkv])``.
+""" + _Q_FP8_DOC + """      impl: "auto", "pallas", "interpret" or "reference".
+    """
+
+mla_q_kv_norm_fp8.__doc__ = """``mla_q_kv_norm`` with q quantized to per-token FP8, ONE launch.
+
+    As ``mla_q_kv_norm`` (same arguments; the FP8 options below), returning
+    ``(QuantizedActivation(q data, q scale [..., 1]), kv_c [..., kv_size], k_pe [..., rope])``.
+""" + _Q_FP8_DOC + """      impl: "auto", "pallas", "interpret" or "reference".
     """

@@ -79,14 +79,20 @@ _MLA = {"deepseek-v3-mla": dict(dq=1536, dkv=512, rope=64)}  # DeepSeek-V3, Kimi
 _KDA = {"kimi-linear-kda": dict(heads=32, dim=128),
         "kimi-k3-kda-tp8": dict(heads=12, dim=128),  # 96 heads over 8 ranks
         "kimi-k3-kda": dict(heads=96, dim=128)}
-_MLA_OUT = {"kimi-k3-mla-out-tp8": dict(heads=12, dim=128),  # the MLA output gate, o_proj input
-            "kimi-k3-mla-out": dict(heads=96, dim=128)}
+# The MLA output gate, x * sigmoid(gate) before the o_proj: H * D columns.
+_MLA_OUT = {"kimi-k3-mla-out-tp8": dict(n=12 * 128),  # one rank of TP8
+            "kimi-k3-mla-out": dict(n=96 * 128)}
 
 
 def _kp():
     import k3pallas
 
     return k3pallas
+
+
+def _q_fp8_unfused(impl, outs, options):
+    """The norm's outputs with q quantized by the per-token FP8 kernel (a second launch)."""
+    return (_kp().per_token_fp8_quant(outs[0], impl=impl, **options), *outs[1:])
 
 
 def _fixed(*pairs):
@@ -146,6 +152,38 @@ _TABLE = [
        reference=reference.per_token_fp8_quant,
        sizes={"kimi-linear-kda": dict(n=32 * 128), "test": dict(n=64)},  # the o_proj input
        example=lambda t, dt, n: ((S((t, n), dt),), {}),
+       fp8=True),
+    Op("sigmoid_mul_fp8_per_token",
+       rule=lambda o, a: Rule("... g j, ... g j -> ... g j, ... g", reduced=("j",)),
+       reference=reference.sigmoid_mul_fp8_per_token,
+       sizes={**_MLA_OUT, "test": dict(n=96)},
+       example=lambda t, dt, n: ((S((t, n), dt), S((t, n), dt)), {}),
+       # Unfused: XLA's elementwise gate in x's dtype, then the per-token FP8 kernel.
+       unfused=lambda impl, x, g, **o: _kp().per_token_fp8_quant(
+           (x.astype(jnp.float32) * jax.nn.sigmoid(g.astype(jnp.float32))).astype(x.dtype),
+           impl=impl, **o),
+       fp8=True),
+    Op("fused_q_kv_rmsnorm_fp8",
+       rule=lambda o, a: Rule("... q, ... k, q, k -> ... q, ... g, ... k", fixed=_QKV_FIXED),
+       reference=reference.fused_q_kv_rmsnorm_fp8,
+       sizes={**_MLA, "test": dict(dq=64, dkv=16, rope=3)},
+       example=lambda t, dt, dq, dkv, rope: (
+           (S((t, dq), dt), S((t, dkv), dt), S((dq,), dt), S((dkv,), dt)), {}),
+       # Unfused: the joint norm to bf16, then the per-token FP8 kernel on q.
+       unfused=lambda impl, q, kv, wq, wkv, **o: _q_fp8_unfused(
+           impl, _kp().fused_q_kv_rmsnorm(q, kv, wq, wkv, impl=impl), o),
+       fp8=True),
+    Op("mla_q_kv_norm_fp8",
+       rule=lambda o, a: Rule("... w, q, k -> ... q, ... g, ... k"
+                              + (", ... r" if a[0].shape[-1] > o["q_size"] + o["kv_size"] else ""),
+                              fixed=_MLA_FIXED),
+       reference=reference.mla_q_kv_norm_fp8,
+       sizes={**_MLA, "test": dict(dq=64, dkv=16, rope=3)},
+       example=lambda t, dt, dq, dkv, rope: (
+           (S((t, dq + dkv + rope), dt), S((dq,), dt), S((dkv,), dt)), dict(q_size=dq, kv_size=dkv)),
+       unfused=lambda impl, a, wq, wkv, **o: _q_fp8_unfused(
+           impl, _kp().mla_q_kv_norm(a, wq, wkv, impl=impl, q_size=o.pop("q_size"),
+                                     kv_size=o.pop("kv_size")), o),
        fp8=True),
 ]
 

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 
 __all__ = [
     "rmsnorm", "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm_gated", "per_token_fp8_quant",
-    "rmsnorm_gated_fp8_per_token", "activation_fn",
+    "rmsnorm_gated_fp8_per_token", "sigmoid_mul_fp8_per_token", "fused_q_kv_rmsnorm_fp8",
+    "mla_q_kv_norm_fp8", "activation_fn",
 ]
 
 
@@ -87,3 +88,27 @@ def rmsnorm_gated_fp8_per_token(x, weight, gate, eps, activation, fp8):
     y = _gated_f32(x, weight, gate, eps, activation)
     y = y.reshape(*y.shape[:-2], y.shape[-2] * y.shape[-1])
     return per_token_fp8_quant(y, fp8)
+
+
+def sigmoid_mul_fp8_per_token(x, gate, fp8):
+    """``per_token_fp8_quant`` of ``x * sigmoid(gate)`` computed in float32 (MLA's output gate)."""
+    y = x.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
+    return per_token_fp8_quant(y, fp8)
+
+
+def fused_q_kv_rmsnorm_fp8(q_c, kv_c, q_weight, kv_weight, eps, kv_eps, fp8):
+    """q normalized in float32 and quantized per token (never rounded to ``q_c.dtype`` first);
+    kv as ``rmsnorm``. Returns ``(q data [..., Dq], q scale [..., 1], kv_out)``."""
+    qf = q_c.astype(jnp.float32)
+    y = qf * _inv_rms(qf, eps) * q_weight.astype(jnp.float32)
+    data, scale = per_token_fp8_quant(y, fp8)
+    return data, scale, rmsnorm(kv_c, kv_weight, kv_eps)
+
+
+def mla_q_kv_norm_fp8(qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size, fp8):
+    """``fused_q_kv_rmsnorm_fp8`` of the packed rows' q and kv, and k_pe passed through:
+    ``(q data, q scale [..., 1], kv_out, k_pe)``."""
+    q = qkv_a[..., :q_size]
+    kv = qkv_a[..., q_size:q_size + kv_size]
+    return (*fused_q_kv_rmsnorm_fp8(q, kv, q_weight, kv_weight, eps, kv_eps, fp8),
+            qkv_a[..., q_size + kv_size:])

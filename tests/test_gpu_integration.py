@@ -85,7 +85,8 @@ def test_fp8_linear_is_an_fp8_gemm(rng, w_layout):
 def test_model_blocks_on_gpu():
     r = kimi_k3.run(tokens=256, impl="pallas", log=print)
     assert r["mla_front"]["q"] < 1e-2 and r["mla_front"]["kv_c"] < 1e-2
-    for key in ("kda_out_12x128", "kda_out_96x128"):
+    assert r["mla_front"]["q_fp8_vs_bf16"] < 0.06
+    for key in ("kda_out_12x128", "kda_out_96x128", "mla_out_12x128", "mla_out_96x128"):
         assert r[key]["fp8_vs_bf16"] < 0.06
 
 

@@ -133,7 +133,9 @@ def test_model_blocks_small(impl):
     r = kimi_k3.run(tokens=9, impl=impl, cfg=SMALL, kda_heads=(6, 12), log=lambda *_: None)
     mla = r["mla_front"]
     assert mla["kv_c"] < 1e-2 and mla["q"] < 1e-2 and mla["k_pe"] == 0.0
+    assert 1e-3 < mla["q_fp8_vs_bf16"] < 0.06  # q quantized in the norm, FP8 q_b
     for heads in (6, 12):
+        assert 1e-3 < r[f"mla_out_{heads}x128"]["fp8_vs_bf16"] < 0.06  # gate + FP8 o_proj
         e = r[f"kda_out_{heads}x128"]
         assert 1e-3 < e["fp8_vs_bf16"] < 0.06, e  # e4m3: ~2**-4 relative per element
         assert e["bf16_vs_f32"] < 1e-2
@@ -143,6 +145,6 @@ def test_model_blocks_kimi_k3_sizes():
     """Kimi-K3 sizes (hidden 7168, 2112-wide packed projection, KDA 12 x 128 and 96 x 128), the
     kernels in interpret mode, two tokens."""
     r = kimi_k3.run(tokens=2, impl="interpret", log=lambda *_: None)
-    assert r["mla_front"]["q"] < 1e-2
-    for key in ("kda_out_12x128", "kda_out_96x128"):
+    assert r["mla_front"]["q"] < 1e-2 and r["mla_front"]["q_fp8_vs_bf16"] < 0.06
+    for key in ("kda_out_12x128", "kda_out_96x128", "mla_out_12x128", "mla_out_96x128"):
         assert r[key]["fp8_vs_bf16"] < 0.06

@@ -75,32 +75,25 @@ def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activati
         for index, mask, y in ys:
             common.store(o_ref, index, y, mask)
         return
-    _quant_epilogue(ys, out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant, mode=mode)
+    quant_lib.epilogue(ys, out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant, mode=mode)
 
 
-def _quant_epilogue(ys, out_refs, s_ref, *, n_rows, rows, quant, mode):
-    """Per-row FP8 of the float32 tiles ``ys`` ([(index, mask, y)], together the rows).
-
-    ``mode``: "dynamic" (the scale from the rows; codes and scale out), "scale_only" (only the
-    scale out) or "given_scale" (the scale read from ``s_ref``; only codes out).
-    """
-    r_index = jnp.arange(rows, dtype=jnp.int32)
-    r_mask = common.row_mask(n_rows, rows, 1)
-    if mode == "given_scale":
-        scale = common.load(s_ref, r_index, r_mask, other=1.0)
-    else:
-        scale = quant_lib.row_scale([y for _, _, y in ys], quant)
-    if mode == "scale_only":
-        (scale_ref,) = out_refs
-        common.store(scale_ref, r_index, scale, r_mask)
-        return
-    codes_ref = out_refs[0]
-    inv = 1.0 / scale
-    for index, mask, y in ys:
-        common.store(codes_ref, index, quant_lib.codes(y, inv[(slice(None),) + (None,) * (y.ndim - 1)], quant),
-                     mask)
-    if mode == "dynamic":
-        common.store(out_refs[1], r_index, scale, r_mask)
+def _sigmoid_mul_kernel(x_ref, g_ref, *refs, n_rows, rows, width, quant, mode):
+    """``y = x * sigmoid(gate)`` in float32 over power-of-two column pieces (12288 = 8192 +
+    4096: no padded lanes), then the row's FP8 (``quant.epilogue``). Padded lanes of a last
+    piece load 0 and give ``y = 0``."""
+    s_ref, *out_refs = refs if mode == "given_scale" else (None, *refs)
+    in_rows = common.row_mask(n_rows, rows, 2)
+    r = jnp.arange(rows, dtype=jnp.int32)[:, None]
+    loaded = []
+    for c0, size in common.pow2_parts(width):
+        c = c0 + jnp.arange(size, dtype=jnp.int32)[None, :]
+        mask = in_rows if c0 + size <= width else common.both(in_rows, c < width)
+        index = (r, c)
+        loaded.append((index, mask, common.load(x_ref, index, mask), common.load(g_ref, index, mask)))
+    ys = [(index, mask, x.astype(jnp.float32) * _activation(g.astype(jnp.float32), "sigmoid"))
+          for index, mask, x, g in loaded]
+    quant_lib.epilogue(ys, out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant, mode=mode)
 
 
 def _quant_kernel(x_ref, *refs, n_rows, rows, width, quant, mode):
@@ -108,7 +101,7 @@ def _quant_kernel(x_ref, *refs, n_rows, rows, width, quant, mode):
     index, lanes = common.tile_index(rows, (width,))
     mask = common.both(common.row_mask(n_rows, rows, 2), lanes)
     y = common.load(x_ref, index, mask).astype(jnp.float32)
-    _quant_epilogue([(index, mask, y)], out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant,
+    quant_lib.epilogue([(index, mask, y)], out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant,
                     mode=mode)
 
 
@@ -117,6 +110,12 @@ def gated_row_elems(heads: int, width: int) -> tuple[int, int]:
     parts = common.pow2_parts(heads)
     padded_width = common.pow2(width)
     return 2 * sum(size for _, size in parts) * padded_width, parts[0][1] * padded_width
+
+
+def sigmoid_mul_row_elems(width: int) -> tuple[int, int]:
+    """(elements one row loads over x and gate, elements of its largest tile row)."""
+    parts = common.pow2_parts(width)
+    return 2 * sum(size for _, size in parts), parts[0][1]
 
 
 def quant_row_elems(width: int) -> tuple[int, int]:
@@ -199,6 +198,27 @@ def per_token_fp8_rows(x, *, quant: fp8_lib.Fp8Params, interpret: bool,
     return _quant_results(result, quant, mode)
 
 
+def sigmoid_mul_fp8_rows(x, gate, *, quant: fp8_lib.Fp8Params, interpret: bool,
+                         config: launch.LaunchConfig | None = None, mode: str = "dynamic",
+                         scale=None):
+    """``x``, ``gate`` ``[T, N]`` -> FP8 of ``x * sigmoid(gate)``: ``(codes [T, N], scale [T])``;
+    ``mode`` as in ``rmsnorm_gated_rows``."""
+    n_rows, width = x.shape
+    quant = quant_lib.kernel_quant(quant, interpret=interpret)
+    if config is None:
+        config = launch.launch_config("sigmoid_mul_fp8_per_token", n_rows,
+                                      *sigmoid_mul_row_elems(width))
+    kernel = functools.partial(_sigmoid_mul_kernel, n_rows=n_rows, rows=config.rows_per_program,
+                               width=width, quant=quant, mode=mode)
+    outs, poison = _quant_outputs(x.shape, n_rows, quant, mode, scale)
+    name = "k3pallas_sigmoid_mul_fp8_per_token" + ("" if mode == "dynamic" else f"_{mode}")
+    result = common.row_call(
+        kernel, name=name, n_rows=n_rows, config=config,
+        row_inputs=[x, gate] + ([scale] if mode == "given_scale" else []), shared_inputs=[],
+        out_shapes=outs, interpret=interpret, out_poison=poison)
+    return _quant_results(result, quant, mode)
+
+
 # ------------------------------------------------------------------------------------------------
 # Entries (k3pallas.kernels.entry): one device's arrays, in the layout of the op's sharding rule
 # ------------------------------------------------------------------------------------------------
@@ -227,5 +247,14 @@ def _quant_entry(x, *, fp8, interpret, reduce_axes):
     """x ``[..., G, j]`` -> (codes of that shape, scale ``[..., G]``); ``reduce_axes`` as above."""
     run = functools.partial(per_token_fp8_rows, common.as_rows(x, 1), quant=fp8,
                             interpret=interpret)
+    codes, scale = sharding.fp8_over_shards(run, reduce_axes)
+    return codes.reshape(x.shape), scale.reshape(x.shape[:-1])
+
+
+@register("sigmoid_mul_fp8_per_token")
+def _sigmoid_mul_entry(x, g, *, fp8, interpret, reduce_axes):
+    """x, g ``[..., G, j]`` -> (codes of that shape, scale ``[..., G]``); ``reduce_axes`` as above."""
+    run = functools.partial(sigmoid_mul_fp8_rows, common.as_rows(x, 1), common.as_rows(g, 1),
+                            quant=fp8, interpret=interpret)
     codes, scale = sharding.fp8_over_shards(run, reduce_axes)
     return codes.reshape(x.shape), scale.reshape(x.shape[:-1])

@@ -13,7 +13,7 @@ from jax import lax
 
 from k3pallas import fp8 as fp8_lib
 from k3pallas._compat import pl
-from k3pallas.kernels import fp8_cast
+from k3pallas.kernels import common, fp8_cast
 
 
 class Quant(NamedTuple):
@@ -111,3 +111,28 @@ def codes_poison(quant: Quant):
 
 def as_fp8(codes, quant: Quant):
     return codes if quant.native else lax.bitcast_convert_type(codes, quant.dtype)
+
+
+def epilogue(ys, out_refs, s_ref, *, n_rows, rows, quant, mode):
+    """Per-row FP8 of the float32 tiles ``ys`` ([(index, mask, y)], together the rows).
+
+    ``mode``: "dynamic" (the scale from the rows; codes and scale out), "scale_only" (only the
+    scale out) or "given_scale" (the scale read from ``s_ref``; only codes out).
+    """
+    r_index = jnp.arange(rows, dtype=jnp.int32)
+    r_mask = common.row_mask(n_rows, rows, 1)
+    if mode == "given_scale":
+        scale = common.load(s_ref, r_index, r_mask, other=1.0)
+    else:
+        scale = row_scale([y for _, _, y in ys], quant)
+    if mode == "scale_only":
+        (scale_ref,) = out_refs
+        common.store(scale_ref, r_index, scale, r_mask)
+        return
+    codes_ref = out_refs[0]
+    inv = 1.0 / scale
+    for index, mask, y in ys:
+        common.store(codes_ref, index, codes(y, inv[(slice(None),) + (None,) * (y.ndim - 1)], quant),
+                     mask)
+    if mode == "dynamic":
+        common.store(out_refs[1], r_index, scale, r_mask)

@@ -24,7 +24,8 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from k3pallas.kernels import common, launch, register
+from k3pallas import fp8 as fp8_lib
+from k3pallas.kernels import common, launch, quant as quant_lib, register
 
 
 class Segment(NamedTuple):
@@ -34,11 +35,12 @@ class Segment(NamedTuple):
     eps: float | None  # None: copied through, no weight
 
 
-def _kernel(*refs, n_rows: int, rows: int, n_sources: int, segments: tuple[Segment, ...]):
+def _kernel(*refs, n_rows: int, rows: int, n_sources: int, segments: tuple[Segment, ...],
+            quant: quant_lib.Quant | None):
     n_norm = sum(s.eps is not None for s in segments)
     x_refs = refs[:n_sources]
     w_refs = iter(refs[n_sources:n_sources + n_norm])
-    o_refs = refs[n_sources + n_norm:]
+    o_refs = list(refs[n_sources + n_norm:])
     in_rows = common.row_mask(n_rows, rows, 2)
     # Load every tile first: the loads then overlap, and none waits behind another tile's store
     # (a store may alias a later load as far as the compiler knows). 1.44 -> 1.18 us at T = 1 on
@@ -54,12 +56,17 @@ def _kernel(*refs, n_rows: int, rows: int, n_sources: int, segments: tuple[Segme
             w_index, w_lanes = common.lane_index(seg.width)
             w = common.load(next(w_refs), w_index, w_lanes)
         tiles.append((index, mask, x, w))
-    for (index, mask, x, w), o_ref, seg in zip(tiles, o_refs, segments):
+    for i, ((index, mask, x, w), seg) in enumerate(zip(tiles, segments)):
         if seg.eps is not None:
             x = x.astype(jnp.float32)
             ms = jnp.sum(x * x, axis=1, keepdims=True) / seg.width
             x = x * common.inv_rms(ms, seg.eps) * w.astype(jnp.float32)[None, :]
-        common.store(o_ref, index, x, mask)
+        if i == 0 and quant is not None:  # the first segment as FP8: codes and a scale per row
+            quant_lib.epilogue([(index, mask, x)], o_refs[:2], None, n_rows=n_rows, rows=rows,
+                               quant=quant, mode="dynamic")
+            del o_refs[:2]
+            continue
+        common.store(o_refs.pop(0), index, x, mask)
 
 
 def row_elems(widths: Sequence[int]) -> tuple[int, int]:
@@ -70,32 +77,45 @@ def row_elems(widths: Sequence[int]) -> tuple[int, int]:
 
 def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
                   weights: Sequence[jax.Array], *, op: str, interpret: bool,
-                  config: launch.LaunchConfig | None = None):
+                  config: launch.LaunchConfig | None = None,
+                  fp8: fp8_lib.Fp8Params | None = None):
     """Normalize (or copy) ``segments`` of the 2-D row-aligned inputs ``xs [T, *]``.
 
     ``weights``: one ``[width]`` array per normalized segment, in segment order. Returns one
-    ``[T, width]`` array per segment, in its source's dtype. ``op`` names the launch and picks
-    its launch config.
+    ``[T, width]`` array per segment, in its source's dtype; with ``fp8``, the first segment
+    instead as per-token FP8, ``codes [T, width]`` and ``scale [T]`` float32 (two results). ``op``
+    names the launch and picks its launch config.
     """
     n_rows = xs[0].shape[0]
     segments = tuple(Segment(s.source, s.start, s.width, None if s.eps is None else float(s.eps))
                      for s in segments)
     if config is None:
         config = launch.launch_config(op, n_rows, *row_elems([s.width for s in segments]))
+    quant = None if fp8 is None else quant_lib.kernel_quant(fp8, interpret=interpret)
     kernel = functools.partial(_kernel, n_rows=n_rows, rows=config.rows_per_program,
-                               n_sources=len(xs), segments=segments)
-    return common.row_call(
+                               n_sources=len(xs), segments=segments, quant=quant)
+    outs = [jax.ShapeDtypeStruct((n_rows, s.width), xs[s.source].dtype) for s in segments]
+    poison = [float("nan")] * len(outs)
+    if quant is not None:
+        outs[:1] = [quant_lib.codes_struct(outs[0].shape, quant),
+                    jax.ShapeDtypeStruct((n_rows,), jnp.float32)]
+        poison[:1] = [quant_lib.codes_poison(quant), float("nan")]
+    result = common.row_call(
         kernel, name=f"k3pallas_{op}", n_rows=n_rows, config=config,
-        row_inputs=list(xs), shared_inputs=list(weights),
-        out_shapes=[jax.ShapeDtypeStruct((n_rows, s.width), xs[s.source].dtype) for s in segments],
-        interpret=interpret)
+        row_inputs=list(xs), shared_inputs=list(weights), out_shapes=outs, interpret=interpret,
+        out_poison=poison)
+    if quant is not None:
+        result = [quant_lib.as_fp8(result[0], quant), *result[1:]]
+    return result
 
 
 def rmsnorm_rows(xs: Sequence[jax.Array], weights: Sequence[jax.Array], eps: Sequence[float], *,
-                 op: str, interpret: bool, config: launch.LaunchConfig | None = None):
-    """Normalize whole 2-D row-aligned tensors ``xs[i] [T, D_i]`` with ``weights[i] [D_i]``."""
+                 op: str, interpret: bool, config: launch.LaunchConfig | None = None,
+                 fp8: fp8_lib.Fp8Params | None = None):
+    """Normalize whole 2-D row-aligned tensors ``xs[i] [T, D_i]`` with ``weights[i] [D_i]``
+    (``fp8``: the first as per-token FP8, see ``segments_rows``)."""
     segments = [Segment(i, 0, x.shape[1], e) for i, (x, e) in enumerate(zip(xs, eps))]
-    return segments_rows(xs, segments, weights, op=op, interpret=interpret, config=config)
+    return segments_rows(xs, segments, weights, op=op, interpret=interpret, config=config, fp8=fp8)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -125,3 +145,24 @@ def _mla_entry(a, wq, wkv, *, q_size, kv_size, eps, kv_eps, interpret, reduce_ax
     outs = segments_rows([common.as_rows(a, 1)], segments, [wq, wkv], op="mla_q_kv_norm",
                          interpret=interpret)
     return tuple(o.reshape(a.shape[:-1] + (o.shape[-1],)) for o in outs)
+
+
+@register("fused_q_kv_rmsnorm_fp8")
+def _fused_fp8_entry(q, kv, wq, wkv, *, eps, kv_eps, fp8, interpret, reduce_axes):
+    codes, scale, kv_out = rmsnorm_rows([common.as_rows(q, 1), common.as_rows(kv, 1)], [wq, wkv],
+                                        [eps, kv_eps], op="fused_q_kv_rmsnorm_fp8",
+                                        interpret=interpret, fp8=fp8)
+    return codes.reshape(q.shape), scale.reshape(q.shape[:-1] + (1,)), kv_out.reshape(kv.shape)
+
+
+@register("mla_q_kv_norm_fp8")
+def _mla_fp8_entry(a, wq, wkv, *, q_size, kv_size, eps, kv_eps, fp8, interpret, reduce_axes):
+    rope = a.shape[-1] - q_size - kv_size
+    segments = [Segment(0, 0, q_size, eps), Segment(0, q_size, kv_size, kv_eps)]
+    if rope:
+        segments.append(Segment(0, q_size + kv_size, rope, None))
+    codes, scale, *rest = segments_rows([common.as_rows(a, 1)], segments, [wq, wkv],
+                                        op="mla_q_kv_norm_fp8", interpret=interpret, fp8=fp8)
+    lead = a.shape[:-1]
+    return (codes.reshape(lead + (q_size,)), scale.reshape(lead + (1,)),
+            *(o.reshape(lead + (o.shape[-1],)) for o in rest))

@@ -60,26 +60,66 @@ def _dense(key, fan_in, fan_out, dtype):
 # ------------------------------------------------------------------------------------------------
 
 
-def init_mla_front(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16) -> dict:
+def init_mla_front(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16, fp8_dtype=None) -> dict:
     k = jax.random.split(key, 4)
+    w_q_b = _dense(k[3], cfg.q_lora_rank, cfg.mla_heads * (cfg.nope_dim + cfg.rope_dim), dtype)
+    w8, ws = kp.quantize_weight_per_channel(w_q_b, fp8_dtype=fp8_dtype, w_layout="nk")
     return {
         "w_qkv_a": _dense(k[0], cfg.hidden, cfg.qkv_a_width, dtype),
         "q_norm": (1 + 0.1 * jax.random.normal(k[1], (cfg.q_lora_rank,))).astype(dtype),
         "kv_norm": (1 + 0.1 * jax.random.normal(k[2], (cfg.kv_lora_rank,))).astype(dtype),
-        "w_q_b": _dense(k[3], cfg.q_lora_rank, cfg.mla_heads * (cfg.nope_dim + cfg.rope_dim), dtype),
+        "w_q_b": w_q_b, "w_q_b_fp8": w8, "w_q_b_scale": ws,
     }
 
 
-def mla_front(params: dict, x, *, cfg: Config = KIMI_K3, impl: str = "auto"):
+# ------------------------------------------------------------------------------------------------
+# MLA output path (gated attention output -> FP8 o_proj)
+# ------------------------------------------------------------------------------------------------
+
+
+def init_mla_out(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16, fp8_dtype=None,
+                 heads: int | None = None) -> dict:
+    """The MLA o_proj ``[H * 128, hidden]`` (H = ``heads``, default ``cfg.kda_heads``: 96, or 12
+    per TP8 rank) and its per-channel FP8 copy (``w_layout="nk"``)."""
+    heads = cfg.kda_heads if heads is None else heads
+    w_o = _dense(key, heads * cfg.kda_head_dim, cfg.hidden, dtype)
+    w8, ws = kp.quantize_weight_per_channel(w_o, fp8_dtype=fp8_dtype, w_layout="nk")
+    return {"w_o": w_o, "w_o_fp8": w8, "w_o_scale": ws}
+
+
+def mla_out_fp8(params: dict, attn, gate, *, impl: str = "auto", out_dtype=jnp.bfloat16):
+    """``attn, gate [T, H * 128]`` -> ``[T, hidden]``: Kimi-K3's MLA output gate
+    ``attn * sigmoid(gate)`` fused with per-token FP8 (``sigmoid_mul_fp8_per_token``, one
+    launch), then the FP8 o_proj."""
+    qa = kp.sigmoid_mul_fp8_per_token(attn, gate, fp8_dtype=params["w_o_fp8"].dtype, impl=impl)
+    return kp.fp8_linear(qa, params["w_o_fp8"], params["w_o_scale"], out_dtype=out_dtype,
+                         w_layout="nk")
+
+
+def mla_out_reference(params: dict, attn, gate, *, dtype=jnp.bfloat16):
+    """The bf16 reference: the gate in ``dtype``, then a ``dtype`` o_proj (float32 accumulation)."""
+    y = (attn.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(dtype)
+    return jnp.dot(y, params["w_o"].astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+
+
+def mla_front(params: dict, x, *, cfg: Config = KIMI_K3, impl: str = "auto", q_fp8: bool = False):
     """``x [T, hidden]`` -> ``(q [T, heads, 192], kv_c [T, 512], k_pe [T, 64])``.
 
     ``impl="reference"`` is the bf16 reference path: XLA slices the packed projection and runs
-    the jnp norms.
+    the jnp norms. ``q_fp8=True``: the norm quantizes q to per-token FP8 in the same launch
+    (``mla_q_kv_norm_fp8``) and q_b is an FP8 matmul with the per-channel FP8 copy of its
+    weight (``params["w_q_b_fp8"]``, from ``init_mla_front``).
     """
     qkv_a = jnp.dot(x, params["w_qkv_a"], preferred_element_type=jnp.float32).astype(x.dtype)
-    q_c, kv_c, k_pe = kp.mla_q_kv_norm(qkv_a, params["q_norm"], params["kv_norm"], cfg.mla_eps,
-                                       q_size=cfg.q_lora_rank, kv_size=cfg.kv_lora_rank, impl=impl)
-    q = jnp.dot(q_c, params["w_q_b"], preferred_element_type=jnp.float32).astype(x.dtype)
+    norm_args = (qkv_a, params["q_norm"], params["kv_norm"], cfg.mla_eps)
+    sizes = dict(q_size=cfg.q_lora_rank, kv_size=cfg.kv_lora_rank, impl=impl)
+    if q_fp8:
+        w8, ws = params["w_q_b_fp8"], params["w_q_b_scale"]
+        qa, kv_c, k_pe = kp.mla_q_kv_norm_fp8(*norm_args, fp8_dtype=w8.dtype, **sizes)
+        q = kp.fp8_linear(qa, w8, ws, out_dtype=x.dtype, w_layout="nk")
+    else:
+        q_c, kv_c, k_pe = kp.mla_q_kv_norm(*norm_args, **sizes)
+        q = jnp.dot(q_c, params["w_q_b"], preferred_element_type=jnp.float32).astype(x.dtype)
     return q.reshape(x.shape[0], cfg.mla_heads, cfg.nope_dim + cfg.rope_dim), kv_c, k_pe
 
 
@@ -154,6 +194,21 @@ def run(tokens: int = 64, impl: str = "auto", seed: int = 0, cfg: Config = KIMI_
     log(f"MLA front-end  T={tokens} hidden={cfg.hidden} qkv_a={cfg.qkv_a_width} impl={impl}: "
         f"q {tuple(q.shape)}; rel. error vs the bf16 reference path: q {results['mla_front']['q']:.2e}, "
         f"kv_c {results['mla_front']['kv_c']:.2e}, k_pe {results['mla_front']['k_pe']:.2e}")
+    q8, _, _ = jax.jit(lambda p, x: mla_front(p, x, cfg=cfg, impl=impl, q_fp8=True))(mla, x)
+    results["mla_front"]["q_fp8_vs_bf16"] = rel_error(q8, q_r)
+    log(f"MLA front-end with FP8 q (q_b as an FP8 matmul): rel. error of q vs the bf16 path "
+        f"{results['mla_front']['q_fp8_vs_bf16']:.2e}")
+    for i, heads in enumerate(kda_heads):
+        params = init_mla_out(keys[4 + i], cfg, heads=heads)
+        k = jax.random.split(keys[7 - i % 2], 2)
+        n = heads * cfg.kda_head_dim
+        a = jax.random.normal(k[0], (tokens, n), jnp.float32).astype(bf)
+        g = jax.random.normal(k[1], (tokens, n), jnp.float32).astype(bf)
+        y8 = jax.jit(lambda p, a, g: mla_out_fp8(p, a, g, impl=impl))(params, a, g)
+        y16 = jax.jit(lambda p, a, g: mla_out_reference(p, a, g))(params, a, g)
+        results[f"mla_out_{heads}x{cfg.kda_head_dim}"] = {"fp8_vs_bf16": rel_error(y8, y16)}
+        log(f"MLA output gate + FP8 o_proj {heads}x{cfg.kda_head_dim} -> {cfg.hidden}: rel. error "
+            f"FP8 path vs bf16 path {rel_error(y8, y16):.2e}")
     for i, heads in enumerate(kda_heads):
         c = dataclasses.replace(cfg, kda_heads=heads)
         params = init_kda_out(keys[2 + i], c)
