@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import k3pallas as kp
+from k3pallas import ops as k3ops
 
 from oracle import ORACLE_TOL, assert_close, gated64, rmsnorm64
 
@@ -26,24 +27,18 @@ def _gated(rng, lead=(4,), h=3, d=32):
             jnp.asarray(rng.standard_normal(lead + (h, d)), jnp.float32))
 
 
-# Every op called with good arguments, for the error and gradient tests below.
+# Every op of the op table called with good arguments (its "test" sizes), for the generic tests
+# below: a new op gets them without an edit here.
 def all_ops(rng):
-    q, kv, wq, wkv = _qkv(rng)
-    x, w, g = _gated(rng)
-    return {
-        "fused_q_kv_rmsnorm": (kp.fused_q_kv_rmsnorm, (q, kv, wq, wkv)),
-        "mla_q_kv_norm": (lambda a, wq, wkv, **kw: kp.mla_q_kv_norm(a, wq, wkv, q_size=64,
-                                                                    kv_size=16, **kw),
-                          (jnp.concatenate([q, kv, kv[:, :3]], axis=-1), wq, wkv)),
-        "rmsnorm": (kp.rmsnorm, (q, wq)),
-        "rmsnorm_gated": (kp.rmsnorm_gated, (x, w, g)),
-        "rmsnorm_gated_fp8_per_token": (kp.rmsnorm_gated_fp8_per_token, (x, w, g)),
-        "per_token_fp8_quant": (kp.per_token_fp8_quant, (q,)),
-    }
+    out = {}
+    for name, spec in k3ops.OPS.items():
+        structs, options = spec.example(4, jnp.dtype(jnp.float32), **spec.sizes["test"])
+        args = tuple(jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in structs)
+        out[name] = (lambda *a, _f=spec.fn, _o=options, **kw: _f(*a, **_o, **kw), args)
+    return out
 
 
-OPS = ["fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm", "rmsnorm_gated", "rmsnorm_gated_fp8_per_token",
-       "per_token_fp8_quant"]
+OPS = list(k3ops.OPS)
 IMPLS = ["interpret", "reference"]
 
 
@@ -150,7 +145,7 @@ def test_gated_bad_inputs(rng):
             f(x[:, :0], w, g[:, :0])
 
 
-@pytest.mark.parametrize("op", ["rmsnorm_gated_fp8_per_token", "per_token_fp8_quant"])
+@pytest.mark.parametrize("op", [name for name, spec in k3ops.OPS.items() if spec.fp8])
 def test_fp8_option_errors(rng, op):
     fn, args = all_ops(rng)[op]
     with pytest.raises(TypeError, match="fp8_dtype must be one of"):
