@@ -37,17 +37,18 @@ def _op_fn(name, cfg_name, dtype):
     spec = ops.OPS[name]
     dt = jnp.dtype(dtype)
 
+    _, options = spec.example(1, dt, **spec.sizes[cfg_name])  # options do not depend on T
+
     def make(seed, t):
         structs, _ = spec.example(t, dt, **spec.sizes[cfg_name])
         return bench_ops._fill(jax.random.PRNGKey(seed), structs)
 
     def fn(config, *a):
-        _, options = spec.example(a[0].shape[0], dt, **spec.sizes[cfg_name])
         with launch.forced(config):
             return spec.fn(*a, impl="pallas", **options)
 
     def key(t):
-        structs, options = spec.example(t, dt, **spec.sizes[cfg_name])
+        structs, _ = spec.example(t, dt, **spec.sizes[cfg_name])
         with launch.recording() as log:
             jax.jit(lambda *a: spec.fn(*a, impl="pallas", **options)).trace(*structs)
         return log[0].row_elems, log[0].max_tile_row_elems

@@ -95,14 +95,28 @@ def _q_fp8_unfused(impl, outs, options):
     return (_kp().per_token_fp8_quant(outs[0], impl=impl, **options), *outs[1:])
 
 
-def _fixed(*pairs):
-    return tuple(pairs)
+_NORM_FIXED = (("d", "the normalized (last) axis of x"),)
+_QKV_FIXED = (("q", "the last axis of q_c"), ("k", "the last axis of kv_c"))
+_MLA_FIXED = (("w", "the packed (last) axis of qkv_a"),)
+_HEAD_FIXED = (("d", "the head dim (last axis) of x"),)
+_QKV_SIZES = {**_MLA, "test": dict(dq=64, dkv=16, rope=3)}
 
 
-_NORM_FIXED = _fixed(("d", "the normalized (last) axis of x"))
-_QKV_FIXED = _fixed(("q", "the last axis of q_c"), ("k", "the last axis of kv_c"))
-_MLA_FIXED = _fixed(("w", "the packed (last) axis of qkv_a"))
-_HEAD_FIXED = _fixed(("d", "the head dim (last axis) of x"))
+def _qkv_example(t, dt, dq, dkv, rope):
+    """q_c, kv_c and their weights (the joint norms)."""
+    return (S((t, dq), dt), S((t, dkv), dt), S((dq,), dt), S((dkv,), dt)), {}
+
+
+def _packed_example(t, dt, dq, dkv, rope):
+    """The packed [q_c | kv_c | k_pe] rows and the two weights (the packed norms)."""
+    return (S((t, dq + dkv + rope), dt), S((dq,), dt), S((dkv,), dt)), dict(q_size=dq, kv_size=dkv)
+
+
+def _packed_rule(outs):
+    """The packed norms' rule: ``outs`` from the packed axis, then k_pe where there is one."""
+    return lambda o, a: Rule("... w, q, k -> " + outs
+                             + (", ... r" if a[0].shape[-1] > o["q_size"] + o["kv_size"] else ""),
+                             fixed=_MLA_FIXED)
 
 _TABLE = [
     Op("rmsnorm",
@@ -113,18 +127,15 @@ _TABLE = [
     Op("fused_q_kv_rmsnorm",
        rule=lambda o, a: Rule("... q, ... k, q, k -> ... q, ... k", fixed=_QKV_FIXED),
        reference=reference.fused_q_kv_rmsnorm,
-       sizes={**_MLA, "test": dict(dq=64, dkv=16, rope=3)},
-       example=lambda t, dt, dq, dkv, rope: (
-           (S((t, dq), dt), S((t, dkv), dt), S((dq,), dt), S((dkv,), dt)), {}),
-       unfused=lambda impl, q, kv, wq, wkv, **o: (_kp().rmsnorm(q, wq, o.get("eps", 1e-6), impl=impl),
-                                                  _kp().rmsnorm(kv, wkv, o.get("eps", 1e-6), impl=impl))),
+       sizes=_QKV_SIZES,
+       example=_qkv_example,
+       unfused=lambda impl, q, kv, wq, wkv: (_kp().rmsnorm(q, wq, impl=impl),
+                                             _kp().rmsnorm(kv, wkv, impl=impl))),
     Op("mla_q_kv_norm",
-       rule=lambda o, a: Rule("... w, q, k -> ... q, ... k" + (", ... r" if a[0].shape[-1] > o["q_size"] + o["kv_size"] else ""),
-                           fixed=_MLA_FIXED),
+       rule=_packed_rule("... q, ... k"),
        reference=reference.mla_q_kv_norm,
-       sizes={**_MLA, "test": dict(dq=64, dkv=16, rope=3)},
-       example=lambda t, dt, dq, dkv, rope: (
-           (S((t, dq + dkv + rope), dt), S((dq,), dt), S((dkv,), dt)), dict(q_size=dq, kv_size=dkv)),
+       sizes=_QKV_SIZES,
+       example=_packed_example,
        # What a user writes without it: XLA slices the packed rows, then the joint norm.
        unfused=lambda impl, a, wq, wkv, q_size, kv_size, **o: (
            *_kp().fused_q_kv_rmsnorm(a[..., :q_size], a[..., q_size:q_size + kv_size], wq, wkv,
@@ -166,21 +177,17 @@ _TABLE = [
     Op("fused_q_kv_rmsnorm_fp8",
        rule=lambda o, a: Rule("... q, ... k, q, k -> ... q, ... g, ... k", fixed=_QKV_FIXED),
        reference=reference.fused_q_kv_rmsnorm_fp8,
-       sizes={**_MLA, "test": dict(dq=64, dkv=16, rope=3)},
-       example=lambda t, dt, dq, dkv, rope: (
-           (S((t, dq), dt), S((t, dkv), dt), S((dq,), dt), S((dkv,), dt)), {}),
+       sizes=_QKV_SIZES,
+       example=_qkv_example,
        # Unfused: the joint norm to bf16, then the per-token FP8 kernel on q.
        unfused=lambda impl, q, kv, wq, wkv, **o: _q_fp8_unfused(
            impl, _kp().fused_q_kv_rmsnorm(q, kv, wq, wkv, impl=impl), o),
        fp8=True),
     Op("mla_q_kv_norm_fp8",
-       rule=lambda o, a: Rule("... w, q, k -> ... q, ... g, ... k"
-                              + (", ... r" if a[0].shape[-1] > o["q_size"] + o["kv_size"] else ""),
-                              fixed=_MLA_FIXED),
+       rule=_packed_rule("... q, ... g, ... k"),
        reference=reference.mla_q_kv_norm_fp8,
-       sizes={**_MLA, "test": dict(dq=64, dkv=16, rope=3)},
-       example=lambda t, dt, dq, dkv, rope: (
-           (S((t, dq + dkv + rope), dt), S((dq,), dt), S((dkv,), dt)), dict(q_size=dq, kv_size=dkv)),
+       sizes=_QKV_SIZES,
+       example=_packed_example,
        unfused=lambda impl, a, wq, wkv, **o: _q_fp8_unfused(
            impl, _kp().mla_q_kv_norm(a, wq, wkv, impl=impl, q_size=o.pop("q_size"),
                                      kv_size=o.pop("kv_size")), o),

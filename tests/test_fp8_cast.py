@@ -14,7 +14,6 @@ import pytest
 import k3pallas as kp
 from k3pallas import _compat, platform
 from k3pallas.kernels import fp8_cast
-from k3pallas.kernels import gated_fp8
 from k3pallas import testing
 from k3pallas.kernels import quant
 

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import k3pallas as kp
-from k3pallas.kernels import common
 from k3pallas import testing
 
 from oracle import (ORACLE_TOL, REFERENCE_TOL, assert_close, check_codes, check_scales, f64,

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import k3pallas as kp
-from k3pallas.kernels import common
 from k3pallas.models import kimi_k3
 from k3pallas import testing
 

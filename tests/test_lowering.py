@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import k3pallas as kp
-from k3pallas import _compat, platform
+from k3pallas import platform
 from k3pallas.kernels import launch
 from k3pallas import testing
 

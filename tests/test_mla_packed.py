@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import k3pallas as kp
-from k3pallas import _compat, platform
-from k3pallas.kernels import common
+from k3pallas import platform
 from k3pallas.kernels import launch
 from k3pallas import testing
 

@@ -28,8 +28,6 @@ def test_targets():
 def test_current_target_in_abstract_mesh():
     import jax
 
-    from k3pallas import _compat
-
     with jax.sharding.use_abstract_mesh(testing.abstract_mesh("gfx950", "rocm")):
         t = platform.current_target()
     assert (t.backend, t.arch, t.warp_size) == ("rocm", "gfx950", 64)

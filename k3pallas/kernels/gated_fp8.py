@@ -124,58 +124,49 @@ def quant_row_elems(width: int) -> tuple[int, int]:
     return padded, padded
 
 
-MODES = ("dynamic", "scale_only", "given_scale")
-
-
-def _quant_outputs(shape, n_rows, quant, mode, scale):
-    """(output structs, poison values) of an FP8 launch in ``mode``; checks mode and scale."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if (scale is None) != (mode != "given_scale"):
-        raise ValueError(f"a scale is passed exactly in mode 'given_scale' (mode {mode!r})")
-    codes = (quant_lib.codes_struct(shape, quant), quant_lib.codes_poison(quant))
-    scale = (jax.ShapeDtypeStruct((n_rows,), jnp.float32), float("nan"))
-    outs = {"dynamic": [codes, scale], "scale_only": [scale], "given_scale": [codes]}[mode]
-    return [o for o, _ in outs], [p for _, p in outs]
-
-
-def _quant_results(result, quant, mode):
-    """(codes or None, scale or None) from a launch's outputs."""
-    if mode == "scale_only":
-        return None, result[0]
-    codes = quant_lib.as_fp8(result[0], quant)
-    return codes, (result[1] if mode == "dynamic" else None)
+def _fp8_call(kernel_fn, op, row_inputs, shared_inputs, row_elems, *, quant, interpret, config,
+              mode, scale, **static):
+    """ONE FP8 launch of ``kernel_fn`` in ``mode`` (see ``rmsnorm_gated_rows``): codes of the
+    first row input's shape and a scale per row. ``row_elems``: (elements a row loads, elements
+    of its largest tile row), for the launch config of ``op``."""
+    n_rows = row_inputs[0].shape[0]
+    quant = quant_lib.kernel_quant(quant, interpret=interpret)
+    if config is None:
+        config = launch.launch_config(op, n_rows, *row_elems)
+    kernel = functools.partial(kernel_fn, n_rows=n_rows, rows=config.rows_per_program,
+                               quant=quant, mode=mode, **static)
+    outs, poison = quant_lib.outputs(row_inputs[0].shape, n_rows, quant, mode, scale)
+    result = common.row_call(
+        kernel, name=f"k3pallas_{op}" + ("" if mode == "dynamic" else f"_{mode}"), n_rows=n_rows,
+        config=config, row_inputs=list(row_inputs) + ([scale] if mode == "given_scale" else []),
+        shared_inputs=list(shared_inputs), out_shapes=outs, interpret=interpret,
+        out_poison=poison)
+    return quant_lib.results(result, quant, mode)
 
 
 def rmsnorm_gated_rows(x, gate, weight, *, eps: float, activation: str,
                        quant: fp8_lib.Fp8Params | None, interpret: bool,
                        config: launch.LaunchConfig | None = None, mode: str = "dynamic",
-                       scale=None, op: str | None = None):
+                       scale=None):
     """``x``, ``gate`` ``[T, H, D]``. Without ``quant``: y ``[T, H, D]`` in x's dtype. With it,
     by ``mode``: "dynamic" ``(codes [T, H, D] fp8, scale [T] float32)``; "scale_only"
     ``(None, scale)``; "given_scale" ``(codes, None)`` quantized with ``scale [T]`` (a scale
     reduced across devices: see ``k3pallas.sharding``)."""
     n_rows, heads, width = x.shape
-    op = op or ("rmsnorm_gated" if quant is None else "rmsnorm_gated_fp8_per_token")
+    static = dict(heads=heads, width=width, eps=float(eps), activation=activation)
     if quant is not None:
-        quant = quant_lib.kernel_quant(quant, interpret=interpret)
+        return _fp8_call(_gated_kernel, "rmsnorm_gated_fp8_per_token", [x, gate], [weight],
+                         gated_row_elems(heads, width), quant=quant, interpret=interpret,
+                         config=config, mode=mode, scale=scale, **static)
     if config is None:
-        config = launch.launch_config(op, n_rows, *gated_row_elems(heads, width))
+        config = launch.launch_config("rmsnorm_gated", n_rows, *gated_row_elems(heads, width))
     kernel = functools.partial(_gated_kernel, n_rows=n_rows, rows=config.rows_per_program,
-                               heads=heads, width=width, eps=float(eps), activation=activation,
-                               quant=quant, mode=mode)
-    if quant is None:
-        outs, poison = [jax.ShapeDtypeStruct(x.shape, x.dtype)], None
-    else:
-        outs, poison = _quant_outputs(x.shape, n_rows, quant, mode, scale)
-    row_inputs = [x, gate] + ([scale] if quant is not None and mode == "given_scale" else [])
-    name = f"k3pallas_{op}" + ("" if quant is None or mode == "dynamic" else f"_{mode}")
-    result = common.row_call(kernel, name=name, n_rows=n_rows, config=config,
-                             row_inputs=row_inputs, shared_inputs=[weight], out_shapes=outs,
-                             interpret=interpret, out_poison=poison)
-    if quant is None:
-        return result[0]
-    return _quant_results(result, quant, mode)
+                               quant=None, mode=mode, **static)
+    (y,) = common.row_call(kernel, name="k3pallas_rmsnorm_gated", n_rows=n_rows, config=config,
+                           row_inputs=[x, gate], shared_inputs=[weight],
+                           out_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
+                           interpret=interpret)
+    return y
 
 
 def per_token_fp8_rows(x, *, quant: fp8_lib.Fp8Params, interpret: bool,
@@ -183,19 +174,10 @@ def per_token_fp8_rows(x, *, quant: fp8_lib.Fp8Params, interpret: bool,
                        scale=None):
     """``x [T, N]`` -> ``(codes [T, N] fp8, scale [T] float32)``; ``mode`` as in
     ``rmsnorm_gated_rows``."""
-    n_rows, width = x.shape
-    quant = quant_lib.kernel_quant(quant, interpret=interpret)
-    if config is None:
-        config = launch.launch_config("per_token_fp8_quant", n_rows, *quant_row_elems(width))
-    kernel = functools.partial(_quant_kernel, n_rows=n_rows, rows=config.rows_per_program,
-                               width=width, quant=quant, mode=mode)
-    outs, poison = _quant_outputs(x.shape, n_rows, quant, mode, scale)
-    name = "k3pallas_per_token_fp8_quant" + ("" if mode == "dynamic" else f"_{mode}")
-    result = common.row_call(
-        kernel, name=name, n_rows=n_rows, config=config,
-        row_inputs=[x] + ([scale] if mode == "given_scale" else []), shared_inputs=[],
-        out_shapes=outs, interpret=interpret, out_poison=poison)
-    return _quant_results(result, quant, mode)
+    width = x.shape[1]
+    return _fp8_call(_quant_kernel, "per_token_fp8_quant", [x], [], quant_row_elems(width),
+                     quant=quant, interpret=interpret, config=config, mode=mode, scale=scale,
+                     width=width)
 
 
 def sigmoid_mul_fp8_rows(x, gate, *, quant: fp8_lib.Fp8Params, interpret: bool,
@@ -203,20 +185,10 @@ def sigmoid_mul_fp8_rows(x, gate, *, quant: fp8_lib.Fp8Params, interpret: bool,
                          scale=None):
     """``x``, ``gate`` ``[T, N]`` -> FP8 of ``x * sigmoid(gate)``: ``(codes [T, N], scale [T])``;
     ``mode`` as in ``rmsnorm_gated_rows``."""
-    n_rows, width = x.shape
-    quant = quant_lib.kernel_quant(quant, interpret=interpret)
-    if config is None:
-        config = launch.launch_config("sigmoid_mul_fp8_per_token", n_rows,
-                                      *sigmoid_mul_row_elems(width))
-    kernel = functools.partial(_sigmoid_mul_kernel, n_rows=n_rows, rows=config.rows_per_program,
-                               width=width, quant=quant, mode=mode)
-    outs, poison = _quant_outputs(x.shape, n_rows, quant, mode, scale)
-    name = "k3pallas_sigmoid_mul_fp8_per_token" + ("" if mode == "dynamic" else f"_{mode}")
-    result = common.row_call(
-        kernel, name=name, n_rows=n_rows, config=config,
-        row_inputs=[x, gate] + ([scale] if mode == "given_scale" else []), shared_inputs=[],
-        out_shapes=outs, interpret=interpret, out_poison=poison)
-    return _quant_results(result, quant, mode)
+    width = x.shape[1]
+    return _fp8_call(_sigmoid_mul_kernel, "sigmoid_mul_fp8_per_token", [x, gate], [],
+                     sigmoid_mul_row_elems(width), quant=quant, interpret=interpret,
+                     config=config, mode=mode, scale=scale, width=width)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -136,3 +136,26 @@ def epilogue(ys, out_refs, s_ref, *, n_rows, rows, quant, mode):
                      mask)
     if mode == "dynamic":
         common.store(out_refs[1], r_index, scale, r_mask)
+
+
+MODES = ("dynamic", "scale_only", "given_scale")
+
+
+def outputs(shape, n_rows, quant, mode, scale):
+    """(output structs, poison values) of an FP8 launch in ``mode``; checks mode and scale."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if (scale is None) != (mode != "given_scale"):
+        raise ValueError(f"a scale is passed exactly in mode 'given_scale' (mode {mode!r})")
+    codes = (codes_struct(shape, quant), codes_poison(quant))
+    scale = (jax.ShapeDtypeStruct((n_rows,), jnp.float32), float("nan"))
+    outs = {"dynamic": [codes, scale], "scale_only": [scale], "given_scale": [codes]}[mode]
+    return [o for o, _ in outs], [p for _, p in outs]
+
+
+def results(result, quant, mode):
+    """(codes or None, scale or None) from a launch's outputs."""
+    if mode == "scale_only":
+        return None, result[0]
+    codes = as_fp8(result[0], quant)
+    return codes, (result[1] if mode == "dynamic" else None)

@@ -96,16 +96,14 @@ def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
                                n_sources=len(xs), segments=segments, quant=quant)
     outs = [jax.ShapeDtypeStruct((n_rows, s.width), xs[s.source].dtype) for s in segments]
     poison = [float("nan")] * len(outs)
-    if quant is not None:
-        outs[:1] = [quant_lib.codes_struct(outs[0].shape, quant),
-                    jax.ShapeDtypeStruct((n_rows,), jnp.float32)]
-        poison[:1] = [quant_lib.codes_poison(quant), float("nan")]
+    if quant is not None:  # the first segment's output: FP8 codes and a scale per row
+        outs[:1], poison[:1] = quant_lib.outputs(outs[0].shape, n_rows, quant, "dynamic", None)
     result = common.row_call(
         kernel, name=f"k3pallas_{op}", n_rows=n_rows, config=config,
         row_inputs=list(xs), shared_inputs=list(weights), out_shapes=outs, interpret=interpret,
         out_poison=poison)
     if quant is not None:
-        result = [quant_lib.as_fp8(result[0], quant), *result[1:]]
+        result = [*quant_lib.results(result[:2], quant, "dynamic"), *result[2:]]
     return result
 
 
@@ -136,14 +134,17 @@ def _fused_entry(q, kv, wq, wkv, *, eps, kv_eps, interpret, reduce_axes):
     return q_out.reshape(q.shape), kv_out.reshape(kv.shape)
 
 
-@register("mla_q_kv_norm")
-def _mla_entry(a, wq, wkv, *, q_size, kv_size, eps, kv_eps, interpret, reduce_axes):
+def _packed_segments(a, q_size, kv_size, eps, kv_eps):
+    """The packed MLA rows' segments: q and kv normalized, the rope part (if any) copied."""
     rope = a.shape[-1] - q_size - kv_size
     segments = [Segment(0, 0, q_size, eps), Segment(0, q_size, kv_size, kv_eps)]
-    if rope:
-        segments.append(Segment(0, q_size + kv_size, rope, None))
-    outs = segments_rows([common.as_rows(a, 1)], segments, [wq, wkv], op="mla_q_kv_norm",
-                         interpret=interpret)
+    return segments + ([Segment(0, q_size + kv_size, rope, None)] if rope else [])
+
+
+@register("mla_q_kv_norm")
+def _mla_entry(a, wq, wkv, *, q_size, kv_size, eps, kv_eps, interpret, reduce_axes):
+    outs = segments_rows([common.as_rows(a, 1)], _packed_segments(a, q_size, kv_size, eps, kv_eps),
+                         [wq, wkv], op="mla_q_kv_norm", interpret=interpret)
     return tuple(o.reshape(a.shape[:-1] + (o.shape[-1],)) for o in outs)
 
 
@@ -157,12 +158,10 @@ def _fused_fp8_entry(q, kv, wq, wkv, *, eps, kv_eps, fp8, interpret, reduce_axes
 
 @register("mla_q_kv_norm_fp8")
 def _mla_fp8_entry(a, wq, wkv, *, q_size, kv_size, eps, kv_eps, fp8, interpret, reduce_axes):
-    rope = a.shape[-1] - q_size - kv_size
-    segments = [Segment(0, 0, q_size, eps), Segment(0, q_size, kv_size, kv_eps)]
-    if rope:
-        segments.append(Segment(0, q_size + kv_size, rope, None))
-    codes, scale, *rest = segments_rows([common.as_rows(a, 1)], segments, [wq, wkv],
-                                        op="mla_q_kv_norm_fp8", interpret=interpret, fp8=fp8)
+    codes, scale, *rest = segments_rows([common.as_rows(a, 1)],
+                                        _packed_segments(a, q_size, kv_size, eps, kv_eps),
+                                        [wq, wkv], op="mla_q_kv_norm_fp8", interpret=interpret,
+                                        fp8=fp8)
     lead = a.shape[:-1]
     return (codes.reshape(lead + (q_size,)), scale.reshape(lead + (1,)),
             *(o.reshape(lead + (o.shape[-1],)) for o in rest))
