@@ -109,3 +109,37 @@ def test_one_triton_call(target):
     args = (s((64, 2112), bf), s((1536,), bf), s((512,), bf))
     text = testing.lower_for(lambda *a: kp.mla_q_kv_norm_fp8(*a, impl="pallas"), args, *target).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1 and "k3pallas_mla_q_kv_norm_fp8" in text
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiled on a GPU (marked gpu: skipped without one)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 64, 4096])
+@pytest.mark.parametrize("name", ["float8_e4m3fn", FNUZ])
+def test_compiled(rng, t, name):
+    """Both ops compiled: poisoned outputs fully written, two runs bit-identical, sampled rows of
+    q against the oracle, kv and k_pe bit-equal to the bf16 ops' compiled kernels."""
+    q, kv, wq, wkv = _inputs(rng, t)
+    pe = jnp.asarray(rng.standard_normal((t, 64)), jnp.bfloat16)
+    packed = jnp.concatenate([q, kv, pe], axis=-1)
+    dt = jnp.dtype(name)
+    fused = jax.jit(lambda *a: kp.fused_q_kv_rmsnorm_fp8(*a, fp8_dtype=dt, impl="pallas"))
+    mla = jax.jit(lambda *a: kp.mla_q_kv_norm_fp8(*a, fp8_dtype=dt, impl="pallas"))
+    with testing.poisoned_outputs():
+        p_fused = jax.jit(lambda *a: kp.fused_q_kv_rmsnorm_fp8(*a, fp8_dtype=dt, impl="pallas"))(q, kv, wq, wkv)
+        p_mla = jax.jit(lambda *a: kp.mla_q_kv_norm_fp8(*a, fp8_dtype=dt, impl="pallas"))(packed, wq, wkv)
+    as_u8 = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
+    rows = np.unique(np.concatenate([[0, t - 1], rng.integers(0, t, min(256, t))]))
+    _, kv_plain = kp.fused_q_kv_rmsnorm(q, kv, wq, wkv, impl="pallas")
+    for out, poisoned, again in ((fused(q, kv, wq, wkv), p_fused, fused(q, kv, wq, wkv)),
+                                 (mla(packed, wq, wkv), p_mla, mla(packed, wq, wkv))):
+        assert np.array_equal(as_u8(out[0].data), as_u8(again[0].data)), "two runs differ"
+        for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(poisoned)):
+            assert np.array_equal(as_u8(a), as_u8(b)), "poisoned run differs"
+        qa = kp.QuantizedActivation(np.asarray(out[0].data)[rows], np.asarray(out[0].scale)[rows])
+        _check_q(qa, np.asarray(q)[rows], wq, name)
+        assert np.array_equal(as_u8(out[1]), as_u8(kv_plain))
+    assert np.array_equal(np.asarray(mla(packed, wq, wkv)[2]), np.asarray(pe))

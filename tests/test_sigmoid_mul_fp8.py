@@ -117,3 +117,31 @@ def test_one_triton_call(target, n):
     text = testing.lower_for(lambda a, b: OP(a, b, impl="pallas"), (s, s), *target).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "k3pallas_sigmoid_mul_fp8_per_token" in text
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiled on a GPU (marked gpu: skipped without one)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 64, 4096])
+@pytest.mark.parametrize("n", [1536, 12288])
+@pytest.mark.parametrize("name", ["float8_e4m3fn", FNUZ])
+def test_compiled(rng, t, n, name):
+    """The compiled kernel: poisoned outputs fully written, two runs bit-identical, sampled rows
+    against the oracle, every scale against the reference."""
+    x, g = _inputs(rng, (t, n))
+    fn = jax.jit(lambda a, b: OP(a, b, fp8_dtype=jnp.dtype(name), impl="pallas"))
+    with testing.poisoned_outputs():
+        poisoned = jax.jit(lambda a, b: OP(a, b, fp8_dtype=jnp.dtype(name), impl="pallas"))(x, g)
+    out = fn(x, g)
+    as_u8 = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
+    assert np.array_equal(as_u8(out.data), as_u8(fn(x, g).data)), "two runs differ"
+    assert np.array_equal(as_u8(out.data), as_u8(poisoned.data)), "poisoned run differs"
+    rows = np.unique(np.concatenate([[0, t - 1], rng.integers(0, t, min(256, t))]))
+    scale64, v = _oracle(np.asarray(x)[rows], np.asarray(g)[rows], name)
+    check_scales(np.asarray(out.scale)[rows], scale64.reshape(-1, 1), 1e-6, "scale vs oracle")
+    check_codes(np.asarray(out.data)[rows], v, name, what="codes vs oracle")
+    ref = OP(x, g, fp8_dtype=jnp.dtype(name), impl="reference")
+    assert np.abs(f64(out.scale) / f64(ref.scale) - 1).max() <= 1e-6
