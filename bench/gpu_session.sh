@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One GPU-machine session: GPU tests, a trace sample, the benchmark and the launch-config sweep,
 # all written under $OUT (the device tool brings that folder back). Usage, on the GPU machine:
-#   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded]
+#   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded] [ab]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT}
 steps=${*:-tests trace bench tune}
 BENCH_ARGS=${BENCH_ARGS:-}
 TUNE_ARGS=${TUNE_ARGS:-}
+AB_ARGS=${AB_ARGS:-}
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; python3 -c 'import jax, jaxlib, sys; print(sys.version.split()[0], jax.__version__, jaxlib.__version__, jax.devices())'; } 2>&1 | tee "$OUT/env.txt"
 for step in $steps; do
   start=$(date +%s)
@@ -18,6 +19,7 @@ for step in $steps; do
     tune) timeout ${TUNE_TIMEOUT:-240} python3 -m bench.tune --out "$OUT" $TUNE_ARGS 2>"$OUT/tune.log" | tail -40 ;;
     hlo) timeout 180 python3 -m bench.hlo_report --out "$OUT" 2>"$OUT/hlo_report.log" | tail -12 ;;
     model) timeout 180 python3 -m k3pallas.models.kimi_k3 --tokens ${MODEL_TOKENS:-4096} --impl pallas 2>&1 | grep -v Warning | tee "$OUT/model_block.log" ;;
+    ab) timeout ${AB_TIMEOUT:-180} python3 -m bench.ab_sigmoid --out "$OUT" $AB_ARGS 2>"$OUT/ab.log" | tail -30 ;;
     sharded) timeout ${SHARDED_TIMEOUT:-300} python3 -m bench.sharded --out "$OUT" 2>"$OUT/sharded.log" | tail -30 ;;
   esac
   echo "== $step took $(( $(date +%s) - start )) s"

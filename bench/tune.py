@@ -2,8 +2,9 @@
 
 For each op of the op table (``k3pallas.ops``), its model configs and each token count, it times
 every (rows per program, num_warps) pair (``k3pallas.kernels.launch.forced``) with device-side
-timing (the kernels have no loop, so ``num_stages`` stays 1), and compares the best with the
-heuristic default. ``--write`` merges the winners into ``k3pallas/kernels/tuned_configs.json``
+timing (the kernels have no loop, so ``num_stages`` stays 1), and, with ``--splits``, every split
+of a row over programs for the ops that can split (``LaunchConfig.split``; the others skip it),
+and compares the best with the heuristic default. ``--write`` merges the winners into ``k3pallas/kernels/tuned_configs.json``
 under the device's architecture, which ``k3pallas.kernels.launch.launch_config`` reads. Results (every
 point) go to ``--out``/tune.json and a summary table to tune.md.
 """
@@ -52,52 +53,72 @@ def _op_fn(name, cfg_name, dtype):
         with launch.recording() as log:
             jax.jit(lambda *a: spec.fn(*a, impl="pallas", **options)).trace(*structs)
         return log[0].row_elems, log[0].max_tile_row_elems
-    return make, fn, key
+
+    def heuristic(t):
+        """The heuristic's config for T tokens (the tuned table bypassed)."""
+        structs, _ = spec.example(t, dt, **spec.sizes[cfg_name])
+        saved = launch.tuned_table
+        launch.tuned_table = lambda: {}
+        try:
+            with launch.recording() as log:
+                jax.jit(lambda *a: spec.fn(*a, impl="pallas", **options)).trace(*structs)
+        finally:
+            launch.tuned_table = saved
+        return log[0].config
+    return make, fn, key, heuristic
 
 
-def sweep(names, tokens, dtype, calls, log=print, configs=None):
+def sweep(names, tokens, dtype, calls, log=print, configs=None, splits=(1,), rows_list=ROWS):
     target = platform.current_target()
     points = []
     for name in names:
         for cfg_name in [c for c in ops.OPS[name].configs if configs is None or c in configs]:
-            make, fn, key = _op_fn(name, cfg_name, dtype)
+            make, fn, key, heuristic = _op_fn(name, cfg_name, dtype)
             for t in tokens:
                 row_elems, max_tile = key(t)
                 per_set = ops.OPS[name].bytes_moved(cfg_name, t, dtype)
                 sets = [make(s, t) for s in range(bench_ops.rotation_sets(per_set, bench_ops.cache_bytes(target)))]
-                default = launch.heuristic_config(name, t, row_elems, max_tile, target)
+                default = heuristic(t)
                 results = []
-                for rows, warps in itertools.product(ROWS, WARPS):
-                    if rows > max(1, common.pow2(t)):
+                for split, rows, warps in itertools.product(splits, rows_list, WARPS):
+                    if rows > max(1, common.pow2(t * split)):
                         continue
-                    config = launch.LaunchConfig(rows, warps, 1)
-                    per_thread = rows * max_tile // (warps * target.warp_size)
+                    config = launch.LaunchConfig(rows, warps, 1, split)
+                    # A piece's largest tile: the row's over the split (exact for the head counts
+                    # of the model configs, whose pieces keep the same power-of-two parts).
+                    per_thread = rows * (max_tile // split) // (warps * target.warp_size)
                     if per_thread > 128 or per_thread < 2:
                         continue  # spills for sure, or idle threads
                     f = jax.jit(lambda *a, _c=config: fn(_c, *a))
                     try:
                         tm = timing.time_device(f, sets, n_calls=calls)
+                    except ValueError as e:
+                        if "cannot do for this row shape" in str(e):
+                            break  # this op (or row) does not split
+                        raise
                     except Exception as e:  # noqa: BLE001 - a config that fails to compile is data
-                        log(f"  {name} {cfg_name} T={t} R={rows} w={warps}: failed: {str(e)[:120]}")
+                        log(f"  {name} {cfg_name} T={t} R={rows} w={warps} S={split}: failed: {str(e)[:120]}")
                         continue
-                    results.append({"rows": rows, "warps": warps, "us": tm.median_us})
+                    results.append({"rows": rows, "warps": warps, "split": split, "us": tm.median_us})
                 best = min(results, key=lambda r: r["us"])
                 dflt = next((r for r in results if r["rows"] == default.rows_per_program
-                             and r["warps"] == default.num_warps), None)
+                             and r["warps"] == default.num_warps
+                             and r["split"] == default.split), None)
                 points.append({"op": name, "config": cfg_name, "tokens": t, "row_elems": row_elems,
                                "bytes": per_set, "best": best,
                                "default": {"rows": default.rows_per_program,
-                                           "warps": default.num_warps,
+                                           "warps": default.num_warps, "split": default.split,
                                            "us": dflt["us"] if dflt else None},
                                "all": results})
                 log(f"{name} {cfg_name} T={t}: best R={best['rows']} w={best['warps']} "
-                    f"{best['us']:.2f} us; heuristic R={default.rows_per_program} "
-                    f"w={default.num_warps} {dflt['us'] if dflt else float('nan'):.2f} us")
+                    f"S={best['split']} {best['us']:.2f} us; heuristic R={default.rows_per_program} "
+                    f"w={default.num_warps} S={default.split} "
+                    f"{dflt['us'] if dflt else float('nan'):.2f} us")
     return target, points
 
 
 def table(points) -> dict:
-    """{op: [[max_tokens, row_elems, rows, warps, 1], ...]} from the sweep's winners.
+    """{op: [[max_tokens, row_elems, rows, warps, 1(, split)], ...]} from the sweep's winners.
 
     Each measured token count T_i serves token counts up to the geometric mean of T_i and the next
     measured one; the largest serves everything above it.
@@ -110,21 +131,25 @@ def table(points) -> dict:
         ps.sort(key=lambda p: p["tokens"])
         for i, p in enumerate(ps):
             upper = int(math.sqrt(p["tokens"] * ps[i + 1]["tokens"])) if i + 1 < len(ps) else 2**31
-            out.setdefault(op, []).append([upper, row_elems, p["best"]["rows"], p["best"]["warps"], 1])
+            split = p["best"].get("split", 1)
+            out.setdefault(op, []).append([upper, row_elems, p["best"]["rows"], p["best"]["warps"], 1]
+                                          + ([split] if split > 1 else []))
     return out
 
 
 def markdown(target, points) -> str:
     lines = [f"# Launch-config sweep on {target.device_kind} ({target.arch})", "",
-             "Device time per call (median). `best` is the fastest (rows per program, num_warps); "
-             "`heuristic` is `launch.heuristic_config`.", "",
-             "| op | config | T | best R, warps | best us | heuristic R, warps | heuristic us | heuristic / best |",
+             "Device time per call (median). `best` is the fastest (rows per program, num_warps, "
+             "and pieces per row where it was swept); `heuristic` is `launch.heuristic_config`.", "",
+             "| op | config | T | best R, warps(, split) | best us | heuristic R, warps(, split) | heuristic us | heuristic / best |",
              "|---|---|---|---|---|---|---|---|"]
     for p in points:
         b, d = p["best"], p["default"]
         ratio = f"{d['us'] / b['us']:.2f}" if d["us"] else "-"
-        lines.append(f"| {p['op']} | {p['config']} | {p['tokens']} | {b['rows']}, {b['warps']} | "
-                     f"{b['us']:.2f} | {d['rows']}, {d['warps']} | "
+        bs = f", {b['split']}" if b.get("split", 1) > 1 else ""
+        ds = f", {d['split']}" if d.get("split", 1) > 1 else ""
+        lines.append(f"| {p['op']} | {p['config']} | {p['tokens']} | {b['rows']}, {b['warps']}{bs} | "
+                     f"{b['us']:.2f} | {d['rows']}, {d['warps']}{ds} | "
                      f"{d['us'] if d['us'] is None else format(d['us'], '.2f')} | {ratio} |")
     return "\n".join(lines)
 
@@ -137,6 +162,8 @@ def main(argv=None):
     p.add_argument("--configs", default=None, help="only these model configs (default: all)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--splits", default="1", help="pieces per row to sweep, e.g. 1,2,4,8")
+    p.add_argument("--rows", default=",".join(map(str, ROWS)), help="rows per program to sweep")
     p.add_argument("--out", default=os.path.join("bench", "out"))
     p.add_argument("--write", action="store_true", help="merge the winners into tuned_configs.json")
     args = p.parse_args(argv)
@@ -147,7 +174,9 @@ def main(argv=None):
     target, points = sweep([o for o in args.ops.split(",") if o],
                            [int(t) for t in args.tokens.split(",")], args.dtype, args.calls,
                            log=lambda m: print(f"[{time.time() - t0:6.1f}s] {m}", file=sys.stderr, flush=True),
-                           configs=args.configs.split(",") if args.configs else None)
+                           configs=args.configs.split(",") if args.configs else None,
+                           splits=[int(s) for s in args.splits.split(",")],
+                           rows_list=[int(r) for r in args.rows.split(",")])
     md = markdown(target, points)
     write_report(args.out, "tune", md, {"device_kind": target.device_kind, "arch": target.arch,
                                         "jax": jax.__version__, "dtype": args.dtype,
@@ -162,7 +191,7 @@ def main(argv=None):
             data = {}
         data.setdefault("configs", {})[target.arch] = table(points)
         data["note"] = ("written by python -m bench.tune --write; rows: [max_tokens, padded row "
-                        "elements, rows_per_program, num_warps, num_stages]")
+                        "elements, rows_per_program, num_warps, num_stages(, split)]")
         data.setdefault("sources", {})[target.arch] = {"device_kind": target.device_kind,
                                                        "jax": jax.__version__, "dtype": args.dtype}
         with open(os.path.join(args.out, "tuned_configs.json"), "w") as f:

@@ -97,7 +97,7 @@ def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
     outs = [jax.ShapeDtypeStruct((n_rows, s.width), xs[s.source].dtype) for s in segments]
     poison = [float("nan")] * len(outs)
     if quant is not None:  # the first segment's output: FP8 codes and a scale per row
-        outs[:1], poison[:1] = quant_lib.outputs(outs[0].shape, n_rows, quant, "dynamic", None)
+        outs[:1], poison[:1], _ = quant_lib.outputs(outs[0].shape, n_rows, quant, "dynamic", None)
     result = common.row_call(
         kernel, name=f"k3pallas_{op}", n_rows=n_rows, config=config,
         row_inputs=list(xs), shared_inputs=list(weights), out_shapes=outs, interpret=interpret,
