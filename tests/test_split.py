@@ -172,3 +172,39 @@ def test_split_compiled(rng, op, split):
         check_scales(auto.scale, scale64, 1e-6, f"T={t} heuristic scale vs oracle")
         check_codes(auto.data, v, name, what=f"T={t} heuristic codes vs oracle")
 
+
+
+@pytest.mark.parametrize("op", ["fused_q_kv_rmsnorm", "fused_q_kv_rmsnorm_fp8", "mla_q_kv_norm",
+                                "mla_q_kv_norm_fp8"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_norm_segments_on_two_programs(rng, op, rows):
+    """split = 2 for the joint norms: q on one program of a row block, kv (and the rope
+    columns) on another, in the same launch; the same results as one program, bit for bit."""
+    from k3pallas import ops as k3ops
+
+    spec = k3ops.OPS[op]
+    structs, options = spec.example(5, jnp.dtype(jnp.bfloat16), **spec.sizes["test"])
+    args = [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in structs]
+    whole = spec.fn(*args, impl="interpret", **options)
+    with launch.forced(LaunchConfig(rows, 4, 1, 2)), testing.poisoned_outputs():
+        split = spec.fn(*args, impl="interpret", **options)
+    for a, b in zip(jax.tree_util.tree_leaves(whole), jax.tree_util.tree_leaves(split)):
+        assert a.shape == b.shape
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    with launch.forced(LaunchConfig(rows, 4, 1, 4)):
+        with pytest.raises(ValueError, match="cannot do for this row shape"):
+            spec.fn(*args, impl="interpret", **options)
+
+
+@pytest.mark.parametrize("target", list(testing.KNOWN_TARGETS.values()), ids=lambda t: t[0])
+def test_norm_split_lowers_to_one_launch_of_two_programs(target):
+    kind, plat = target
+    args = (jax.ShapeDtypeStruct((1, 1536), jnp.bfloat16), jax.ShapeDtypeStruct((1, 512), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1536,), jnp.bfloat16), jax.ShapeDtypeStruct((512,), jnp.bfloat16))
+
+    def fn(q, kv, wq, wkv):
+        with launch.forced(LaunchConfig(1, 4, 1, 2)):
+            return kp.fused_q_kv_rmsnorm(q, kv, wq, wkv, impl="pallas")
+
+    (call,) = testing.triton_launches(testing.lower_for(fn, args, kind, plat).as_text())
+    assert (call["grid_x"], call["grid_y"]) == (1, 2), call

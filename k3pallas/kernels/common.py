@@ -101,9 +101,11 @@ def lane_index(width: int):
     return idx, (idx < width if padded != width else None)
 
 
-def row_mask(n_rows: int, rows: int, nd: int):
-    """True for this program's rows that exist, shaped ``[rows, 1, ...]`` with ``nd`` dims."""
-    r = pl.program_id(0) * rows + jnp.arange(rows, dtype=jnp.int32)
+def row_mask(n_rows: int, rows: int, nd: int, pid=None):
+    """True for this program's rows that exist, shaped ``[rows, 1, ...]`` with ``nd`` dims.
+    ``pid``: ``pl.program_id(0)``, read outside a ``pl.when`` branch (interpret mode cannot
+    read it inside one)."""
+    r = (pl.program_id(0) if pid is None else pid) * rows + jnp.arange(rows, dtype=jnp.int32)
     return r.reshape((rows,) + (1,) * (nd - 1)) < n_rows
 
 
@@ -163,8 +165,10 @@ def wrapping(fn):
 
 
 def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs, shared_inputs,
-             out_shapes, interpret: bool, out_poison=None, whole_outputs=()):
-    """Launch ``kernel`` once over row blocks: ONE pallas_call, grid ``cdiv(n_rows, R)``.
+             out_shapes, interpret: bool, out_poison=None, whole_outputs=(), programs_per_block=1):
+    """Launch ``kernel`` once over row blocks: ONE pallas_call, grid ``cdiv(n_rows, R)`` (by
+    ``programs_per_block`` when several programs share a row block: ``pl.program_id(1)`` tells
+    them apart).
 
     ``row_inputs`` and the arrays of ``out_shapes`` have rows as their first axis and are split
     into ``R``-row blocks; ``shared_inputs`` (weights) are whole in every program, and so are the
@@ -176,10 +180,10 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
 
     def row_spec(shape):
         nrest = len(shape) - 1
-        return pl.BlockSpec((rows, *shape[1:]), lambda i, _n=nrest: (i,) + (0,) * _n)
+        return pl.BlockSpec((rows, *shape[1:]), lambda i, *_, _n=nrest: (i,) + (0,) * _n)
 
     def whole_spec(shape):
-        return pl.BlockSpec(tuple(shape), lambda i, _n=len(shape): (0,) * _n)
+        return pl.BlockSpec(tuple(shape), lambda *_, _n=len(shape): (0,) * _n)
 
     for out in out_shapes:
         check_offsets(out.shape, out.dtype)
@@ -198,7 +202,7 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
         call = wrapper(call)
     return pl.pallas_call(
         call.kernel,
-        grid=(pl.cdiv(n_rows, rows),),
+        grid=(pl.cdiv(n_rows, rows),) + ((programs_per_block,) if programs_per_block > 1 else ()),
         in_specs=call.in_specs,
         out_specs=call.out_specs,
         out_shape=call.out_shapes,

@@ -130,17 +130,17 @@ def _token_scale(s_ref, token, exists):
     return jnp.where(total != total, jnp.nan, jnp.max(p, axis=1))
 
 
-def epilogue(ys, out_refs, s_ref, *, n_rows, rows, quant, mode, group=1):
+def epilogue(ys, out_refs, s_ref, *, n_rows, rows, quant, mode, group=1, pid=None):
     """Per-row FP8 of the float32 tiles ``ys`` ([(index, mask, y)], together the rows).
 
     ``mode``: "dynamic" (the scale from the rows; codes and scale out), "scale_only" (only the
     scale out), "given_scale" (the scale read from ``s_ref``; only codes out) or
     "partial_scales" (the rows are pieces of ``group`` per token: their scale combined from the
     whole ``s_ref [n_rows / group, P]``; codes and the token's scale, a whole ``[n_rows /
-    group]`` output written by each token's first piece).
+    group]`` output written by each token's first piece). ``pid``: as in ``common.row_mask``.
     """
     r_index = jnp.arange(rows, dtype=jnp.int32)
-    r_mask = common.row_mask(n_rows, rows, 1)
+    r_mask = common.row_mask(n_rows, rows, 1, pid)
     if mode == "given_scale":
         scale = common.load(s_ref, r_index, r_mask, other=1.0)
     elif mode == "partial_scales":  # this program's rows are pieces: row r of token r // group

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from k3pallas import fp8 as fp8_lib
+from k3pallas._compat import pl
 from k3pallas.kernels import common, launch, quant as quant_lib, register
 
 
@@ -36,17 +37,37 @@ class Segment(NamedTuple):
 
 
 def _kernel(*refs, n_rows: int, rows: int, n_sources: int, segments: tuple[Segment, ...],
-            quant: quant_lib.Quant | None):
+            quant: quant_lib.Quant | None, groups: tuple[tuple[int, ...], ...] | None = None):
+    """``groups``: None, every segment in each program; else the segments of the programs
+    ``pl.program_id(1) = 0, 1, ...`` of a row block (``LaunchConfig.split``)."""
     n_norm = sum(s.eps is not None for s in segments)
     x_refs = refs[:n_sources]
     w_refs = iter(refs[n_sources:n_sources + n_norm])
-    o_refs = list(refs[n_sources + n_norm:])
-    in_rows = common.row_mask(n_rows, rows, 2)
+    o_refs = iter(refs[n_sources + n_norm:])
+    # Per segment: its weight ref (or None) and its output refs (the FP8 first segment: 2).
+    seg_w = [next(w_refs) if s.eps is not None else None for s in segments]
+    seg_o = [[next(o_refs)] + ([next(o_refs)] if i == 0 and quant is not None else [])
+             for i in range(len(segments))]
+    pid = pl.program_id(0)
+    if groups is None:
+        _segments(range(len(segments)), x_refs, seg_w, seg_o, n_rows=n_rows, rows=rows,
+                  segments=segments, quant=quant, pid=pid)
+        return
+    for g, ids in enumerate(groups):
+        pl.when(pl.program_id(1) == g)(functools.partial(
+            _segments, ids, x_refs, seg_w, seg_o, n_rows=n_rows, rows=rows, segments=segments,
+            quant=quant, pid=pid))
+
+
+def _segments(ids, x_refs, seg_w, seg_o, *, n_rows, rows, segments, quant, pid):
+    """Normalize (or copy) the segments ``ids`` of this program's rows (``pid``: its row block)."""
+    in_rows = common.row_mask(n_rows, rows, 2, pid)
     # Load every tile first: the loads then overlap, and none waits behind another tile's store
     # (a store may alias a later load as far as the compiler knows). 1.44 -> 1.18 us at T = 1 on
     # an H200.
     tiles = []
-    for seg in segments:
+    for i in ids:
+        seg = segments[i]
         index, lanes = common.tile_index(rows, (seg.width,))
         mask = common.both(in_rows, lanes)
         src_index = index if seg.start == 0 else (index[0], index[1] + seg.start)
@@ -54,19 +75,19 @@ def _kernel(*refs, n_rows: int, rows: int, n_sources: int, segments: tuple[Segme
         w = None
         if seg.eps is not None:
             w_index, w_lanes = common.lane_index(seg.width)
-            w = common.load(next(w_refs), w_index, w_lanes)
-        tiles.append((index, mask, x, w))
-    for i, ((index, mask, x, w), seg) in enumerate(zip(tiles, segments)):
+            w = common.load(seg_w[i], w_index, w_lanes)
+        tiles.append((i, index, mask, x, w))
+    for i, index, mask, x, w in tiles:
+        seg = segments[i]
         if seg.eps is not None:
             x = x.astype(jnp.float32)
             ms = jnp.sum(x * x, axis=1, keepdims=True) / seg.width
             x = x * common.inv_rms(ms, seg.eps) * w.astype(jnp.float32)[None, :]
         if i == 0 and quant is not None:  # the first segment as FP8: codes and a scale per row
-            quant_lib.epilogue([(index, mask, x)], o_refs[:2], None, n_rows=n_rows, rows=rows,
-                               quant=quant, mode="dynamic")
-            del o_refs[:2]
+            quant_lib.epilogue([(index, mask, x)], seg_o[i], None, n_rows=n_rows, rows=rows,
+                               quant=quant, mode="dynamic", pid=pid)
             continue
-        common.store(o_refs.pop(0), index, x, mask)
+        common.store(seg_o[i][0], index, x, mask)
 
 
 def row_elems(widths: Sequence[int]) -> tuple[int, int]:
@@ -89,11 +110,22 @@ def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
     n_rows = xs[0].shape[0]
     segments = tuple(Segment(s.source, s.start, s.width, None if s.eps is None else float(s.eps))
                      for s in segments)
+
+    def pieces(split):  # split 2: the first segment on one program, the others on another
+        if split != 2 or len(segments) < 2:
+            return None
+        return max(row_elems([segments[0].width]), row_elems([s.width for s in segments[1:]]))
+
     if config is None:
-        config = launch.launch_config(op, n_rows, *row_elems([s.width for s in segments]))
+        config = launch.launch_config(op, n_rows, *row_elems([s.width for s in segments]),
+                                      pieces=pieces)
+    elif config.split > 1 and pieces(config.split) is None:
+        raise ValueError(f"{op}: LaunchConfig.split={config.split} is not 1, or 2 with two or more "
+                         "segments")
+    groups = None if config.split == 1 else ((0,), tuple(range(1, len(segments))))
     quant = None if fp8 is None else quant_lib.kernel_quant(fp8, interpret=interpret)
     kernel = functools.partial(_kernel, n_rows=n_rows, rows=config.rows_per_program,
-                               n_sources=len(xs), segments=segments, quant=quant)
+                               n_sources=len(xs), segments=segments, quant=quant, groups=groups)
     outs = [jax.ShapeDtypeStruct((n_rows, s.width), xs[s.source].dtype) for s in segments]
     poison = [float("nan")] * len(outs)
     if quant is not None:  # the first segment's output: FP8 codes and a scale per row
@@ -101,7 +133,7 @@ def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
     result = common.row_call(
         kernel, name=f"k3pallas_{op}", n_rows=n_rows, config=config,
         row_inputs=list(xs), shared_inputs=list(weights), out_shapes=outs, interpret=interpret,
-        out_poison=poison)
+        out_poison=poison, programs_per_block=config.split)
     if quant is not None:
         result = [*quant_lib.results(result[:2], quant, "dynamic"), *result[2:]]
     return result
