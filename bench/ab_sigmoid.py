@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 
 import jax
@@ -40,26 +41,37 @@ def _time(name, cfg, t, calls):
     return timing.time_device(f, sets, n_calls=calls).median_us
 
 
+def _measure(variant, tokens, calls):
+    """{(op, config, T): us} with the kernels' sigmoid in ``variant`` (in this process only)."""
+    if variant == "division":
+        gated_fp8._activation = _division
+    return {f"{name}|{cfg}|{t}": _time(name, cfg, t, calls) for name, cfg in CASES for t in tokens}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.ab_sigmoid", description=__doc__)
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--out", default=os.path.join("bench", "out"))
+    p.add_argument("--variant", choices=("rsqrt", "division"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    tokens = [int(x) for x in args.tokens.split(",")]
+    if args.variant:  # one variant, in a fresh process: no trace of the other one is cached
+        print(json.dumps(_measure(args.variant, tokens, args.calls)))
+        return 0
+    got = {}
+    for variant in ("rsqrt", "division"):
+        out = subprocess.run([sys.executable, "-m", "bench.ab_sigmoid", "--variant", variant,
+                              "--tokens", args.tokens, "--calls", str(args.calls)],
+                             capture_output=True, text=True, check=True).stdout
+        got[variant] = json.loads(out.strip().splitlines()[-1])
     rows = []
-    kernel_form = gated_fp8._activation
-    for name, cfg in CASES:
-        for t in [int(x) for x in args.tokens.split(",")]:
-            gated_fp8._activation = kernel_form
-            rsqrt_us = _time(name, cfg, t, args.calls)
-            gated_fp8._activation = _division
-            try:
-                div_us = _time(name, cfg, t, args.calls)
-            finally:
-                gated_fp8._activation = kernel_form
-            rows.append({"op": name, "config": cfg, "tokens": t, "rsqrt_us": rsqrt_us, "division_us": div_us})
-            print(f"{name} {cfg} T={t}: rsqrt {rsqrt_us:.2f} us, division {div_us:.2f} us, "
-                  f"{div_us / rsqrt_us:.3f}x", flush=True)
+    for key, rsqrt_us in got["rsqrt"].items():
+        name, cfg, t = key.split("|")
+        div_us = got["division"][key]
+        rows.append({"op": name, "config": cfg, "tokens": int(t), "rsqrt_us": rsqrt_us, "division_us": div_us})
+        print(f"{name} {cfg} T={t}: rsqrt {rsqrt_us:.2f} us, division {div_us:.2f} us, "
+              f"{div_us / rsqrt_us:.3f}x", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "ab_sigmoid.json"), "w") as f:
         json.dump({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "rows": rows}, f, indent=1)

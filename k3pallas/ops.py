@@ -254,7 +254,8 @@ def call(name: str, impl, arrays, options: dict, *, originals=None):
                                       jax.eval_shape(ref, *arrays))
     from k3pallas import kernels
 
-    run = sharding.partitioned(name, rule, kernels.entry(name), interpret=impl == "interpret",
+    run = sharding.partitioned(name, rule, kernels.entry(name), cache_key=kernels.trace_context(),
+                               interpret=impl == "interpret",
                                **options)
     try:
         return _inference_only(name, run, *arrays)

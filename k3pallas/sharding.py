@@ -124,7 +124,8 @@ def _plan(op, rule: Rule, mesh, arg_shapes, *, strict: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _build(op: str, rule: Rule, local, statics: tuple):
+def _build(op: str, rule: Rule, local, statics: tuple, cache_key):
+    del cache_key  # only a part of the lru_cache key
     kwargs = dict(statics)
 
     @custom_partitioning
@@ -171,14 +172,16 @@ def _batched_as_rows(fn, rule: Rule):
     return call
 
 
-def partitioned(op: str, rule: Rule, local, **statics):
+def partitioned(op: str, rule: Rule, local, *, cache_key=(), **statics):
     """``local(*arrays, reduce_axes=..., **statics)`` as a function XLA partitions by ``rule``.
 
     ``local`` runs on each device's shard (or on the whole arrays without sharding);
     ``reduce_axes`` are the mesh axes sharding ``rule.reduced`` factors (empty when none are).
-    Built once per (op, rule, local, statics): statics must be hashable.
+    Built once per (op, rule, local, statics, cache_key): statics must be hashable. jax caches
+    the trace of a built function per argument shapes, so ``cache_key`` must hold whatever else
+    decides what ``local`` traces (``k3pallas.kernels.trace_context``).
     """
-    return _build(op, rule, local, tuple(sorted(statics.items())))
+    return _build(op, rule, local, tuple(sorted(statics.items())), cache_key)
 
 
 def max_over(x, axes):

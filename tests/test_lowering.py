@@ -128,3 +128,18 @@ def test_cross_device_scale_modes_lower(target, mode):
     assert text.count(TRITON_CALL) == 1 and f"k3pallas_rmsnorm_gated_fp8_per_token_{mode}" in text
     text = lowered_text(quant, (sds((64, 1536)), sds((64,), jnp.float32)), target)
     assert text.count(TRITON_CALL) == 1 and f"k3pallas_per_token_fp8_quant_{mode}" in text
+
+
+def test_hooks_apply_to_a_shape_traced_before():
+    """jax (0.11+) caches the trace of the partitioned op per shapes: a second trace of the same
+    shape inside ``launch.forced`` / ``launch.recording`` must still see the hook
+    (``kernels.trace_context`` is part of the cache key)."""
+    args = (sds((4, 96, 128)), sds((128,), jnp.float32), sds((4, 96, 128)))
+    kind, plat = TARGETS[0]
+    for config in (None, launch.LaunchConfig(2, 2, 1), launch.LaunchConfig(1, 4, 1, 4)):
+        # A new function each time (as bench.tune makes), so that jit's own cache misses.
+        fn = lambda x, w, g: kp.rmsnorm_gated_fp8_per_token(x, w, g, impl="pallas")  # noqa: E731
+        with launch.forced(config) if config else launch.recording(), launch.recording() as log:
+            text = testing.lower_for(fn, args, kind, plat).as_text()
+        assert len(log) == 1 and (config is None or log[0].config == config), log
+        assert len(testing.triton_launches(text)) == (2 if config and config.split > 1 else 1)
