@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from typing import Callable, Mapping
 
@@ -95,10 +96,12 @@ def _q_fp8_unfused(impl, outs, options):
     return (_kp().per_token_fp8_quant(outs[0], impl=impl, **options), *outs[1:])
 
 
-_NORM_FIXED = (("d", "the normalized (last) axis of x"),)
-_QKV_FIXED = (("q", "the last axis of q_c"), ("k", "the last axis of kv_c"))
-_MLA_FIXED = (("w", "the packed (last) axis of qkv_a"),)
-_HEAD_FIXED = (("d", "the head dim (last axis) of x"),)
+# The axes that may not be sharded, as the errors name them ("{}": the operand, by the name of
+# the reference's parameter).
+_NORM_FIXED = (("d", "the normalized (last) axis of {}"),)
+_QKV_FIXED = (("q", "the last axis of {}"), ("k", "the last axis of {}"))
+_MLA_FIXED = (("w", "the packed (last) axis of {}"),)
+_HEAD_FIXED = (("d", "the head dim (last axis) of {}"),)
 _QKV_SIZES = {**_MLA, "test": dict(dq=64, dkv=16, rope=3)}
 
 
@@ -239,12 +242,14 @@ def call(name: str, impl, arrays, options: dict, *, originals=None):
     """
     op = OPS[name]
     impl = resolve_impl(impl, name)
-    rule = op.rule(options, arrays)
+    rule = dataclasses.replace(op.rule(options, arrays),
+                               names=tuple(inspect.signature(op.reference).parameters))
     ins = rule.sides()[0]
     fixed = dict(rule.fixed)
     originals = arrays if originals is None else originals
     rows = [a for a, t in zip(originals, ins) if t[0] == "..."]
-    checks = [(a, fixed[t[-1]]) for a, t in zip(originals, ins) if t[0] == "..." and t[-1] in fixed]
+    checks = [(a, rule.describe(fixed[t[-1]], i)) for i, (a, t) in enumerate(zip(originals, ins))
+              if t[0] == "..." and t[-1] in fixed]
     sharding.check_call_shardings(name, impl, rows, checks)
     ref = functools.partial(op.reference, **options)
     if impl == "reference":

@@ -62,8 +62,8 @@ def rmsnorm_gated(x, weight, gate, eps, activation):
     return _gated_f32(x, weight, gate, eps, activation).astype(x.dtype)
 
 
-def per_token_fp8_quant(y, fp8):
-    """Dynamic per-token FP8 of ``y [..., N]`` (any float dtype; math in float32), with the
+def per_token_fp8_quant(x, fp8):
+    """Dynamic per-token FP8 of ``x [..., N]`` (any float dtype; math in float32), with the
     resolved options ``fp8`` (``k3pallas.fp8.resolve_fp8_params``; its ``cast`` is the kernels'
     business and ignored here: XLA's cast).
 
@@ -73,7 +73,7 @@ def per_token_fp8_quant(y, fp8):
     CPU max-reduction can drop NaN). Returns ``(data [..., N], scale [..., 1] float32)``.
     """
     fp8_dtype, fp8_max, min_scale, scale_ub = fp8.dtype, fp8.fp8_max, fp8.min_scale, fp8.scale_ub
-    y = y.astype(jnp.float32)
+    y = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(y), axis=-1, keepdims=True)
     if scale_ub is not None:
         amax = jnp.minimum(amax, scale_ub)

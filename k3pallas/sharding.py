@@ -39,14 +39,20 @@ __all__ = ["Rule", "partitioned", "max_over", "fp8_over_shards", "check_call_sha
 class Rule:
     """A sharding rule: ``spec`` like ``"... h d, d, ... h d -> ... h d"``.
 
-    ``fixed``: factors that must not be sharded (normalized axes), with a name for the error.
-    ``reduced``: factors that an output reduces over (the scale's heads); the mesh axes sharding
-    them are passed to the local function as ``reduce_axes``.
+    ``fixed``: factors that must not be sharded (normalized axes), with a name for the error
+    (``{}`` in it: the operand's name from ``names``). ``reduced``: factors that an output
+    reduces over (the scale's heads); the mesh axes sharding them are passed to the local
+    function as ``reduce_axes``. ``names``: the input operands' names, for the errors.
     """
 
     spec: str
     fixed: tuple[tuple[str, str], ...] = ()
     reduced: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
+
+    def describe(self, what: str, operand: int) -> str:
+        name = self.names[operand] if operand < len(self.names) else f"operand {operand}"
+        return what.format(name)
 
     def sides(self):
         ins, outs = self.spec.split("->")
@@ -95,17 +101,18 @@ def _plan(op, rule: Rule, mesh, arg_shapes, *, strict: bool):
     main = ins[0]
     n_lead = arg_shapes[0].ndim - (len(main) - 1)
     lead = _spec_of(arg_shapes[0].sharding, arg_shapes[0].ndim)[:n_lead]
-    factors = {}
-    for shape, tensor in zip(arg_shapes, ins):
+    factors, source = {}, {}
+    for i, (shape, tensor) in enumerate(zip(arg_shapes, ins)):
         if tensor[0] != "...":
             continue  # weights: replicated, their sharding does not decide anything
         named = _spec_of(shape.sharding, shape.ndim)[shape.ndim - (len(tensor) - 1):]
         for f, s in zip(tensor[1:], named):
             if s is not None:
                 factors.setdefault(f, s)
+                source.setdefault(f, i)
     for f, what in rule.fixed:
         if strict and factors.get(f) is not None:
-            raise normalized_axis_error(op, what, factors[f])
+            raise normalized_axis_error(op, rule.describe(what, source[f]), factors[f])
         factors.pop(f, None)
 
     def sharding(tensor):

@@ -150,6 +150,10 @@ NORMALIZED = {
             "packed"),
     "gated": (lambda a, w, impl: kp.rmsnorm_gated(a, w, a, impl=impl), "head dim"),
     "gated_fp8": (lambda a, w, impl: kp.rmsnorm_gated_fp8_per_token(a, w, a, impl=impl), "head dim"),
+    # Only the gate sharded: the error names the gate.
+    "gated_fp8_gate": (lambda a, w, impl: kp.rmsnorm_gated_fp8_per_token(
+        jax.device_put(a, jax.sharding.NamedSharding(a.sharding.mesh, P("dp"))), w, a, impl=impl),
+        r"head dim \(last axis\) of gate"),
 }
 
 
