@@ -177,10 +177,14 @@ def mla_q_kv_norm(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_size=1
     """
     op = "mla_q_kv_norm"
     options = _check_packed(op, qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size)
-    outs = tuple(call(op, impl, (qkv_a, q_weight, kv_weight), options))
-    if len(outs) == 2:  # no rope part: the kernel writes none
-        outs += (jnp.zeros(qkv_a.shape[:-1] + (0,), qkv_a.dtype),)
-    return outs
+    q_out, kv_out, *pe = call(op, impl, (qkv_a, q_weight, kv_weight), options)
+    return q_out, kv_out, _k_pe(qkv_a, pe)
+
+
+def _k_pe(qkv_a, pe):
+    """The rope part among a packed norm's results; empty where there is none (the kernel then
+    writes none)."""
+    return pe[0] if pe else jnp.zeros(qkv_a.shape[:-1] + (0,), qkv_a.dtype)
 
 
 def _check_packed(op, qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size) -> dict:
@@ -392,9 +396,7 @@ def mla_q_kv_norm_fp8(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_si
     options = _check_packed(op, qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size)
     q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
     data, scale, kv_out, *pe = call(op, impl, (qkv_a, q_weight, kv_weight), dict(options, fp8=q))
-    if not pe:  # no rope part: the kernel writes none
-        pe = [jnp.zeros(qkv_a.shape[:-1] + (0,), qkv_a.dtype)]
-    return QuantizedActivation(data, scale), kv_out, pe[0]
+    return QuantizedActivation(data, scale), kv_out, _k_pe(qkv_a, pe)
 
 
 _Q_FP8_DOC = """
