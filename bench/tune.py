@@ -137,6 +137,17 @@ def table(points) -> dict:
     return out
 
 
+def merge(old: dict, new: dict) -> dict:
+    """``old`` (an arch's table) with the (op, row size) pairs of ``new`` replaced by its
+    entries; the other entries stay."""
+    out = {op: list(entries) for op, entries in old.items()}
+    for op, entries in new.items():
+        swept = {e[1] for e in entries}
+        out[op] = sorted([e for e in out.get(op, []) if e[1] not in swept] + entries,
+                         key=lambda e: (e[1], e[0]))
+    return out
+
+
 def markdown(target, points) -> str:
     lines = [f"# Launch-config sweep on {target.device_kind} ({target.arch})", "",
              "Device time per call (median). `best` is the fastest (rows per program, num_warps, "
@@ -189,7 +200,8 @@ def main(argv=None):
                 data = json.load(f)
         except FileNotFoundError:
             data = {}
-        data.setdefault("configs", {})[target.arch] = table(points)
+        configs = data.setdefault("configs", {})
+        configs[target.arch] = merge(configs.get(target.arch, {}), table(points))
         data["note"] = ("written by python -m bench.tune --write; rows: [max_tokens, padded row "
                         "elements, rows_per_program, num_warps, num_stages(, split)]")
         data.setdefault("sources", {})[target.arch] = {"device_kind": target.device_kind,

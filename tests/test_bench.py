@@ -89,3 +89,17 @@ def test_quick_mode_end_to_end(tmp_path):
     gbs = [line.split("|")[3].strip() for line in md.splitlines() if line.startswith("| 1 |")]
     assert gbs and all(float(g) > 0 for g in gbs), gbs  # small figures keep their digits
     assert "wall-clock: kernels not counted on the CPU" in proc.stderr
+
+
+def test_tune_table_and_merge():
+    from bench import tune
+
+    points = [{"op": "a", "row_elems": 8, "tokens": t, "best": {"rows": 1, "warps": w, "split": s}}
+              for t, w, s in ((1, 8, 4), (64, 4, 1), (4096, 2, 1))]
+    new = tune.table(points)
+    assert new == {"a": [[8, 8, 1, 8, 1, 4], [512, 8, 1, 4, 1], [2**31, 8, 1, 2, 1]]}
+    old = {"a": [[99, 8, 2, 2, 1], [99, 16, 4, 4, 1]], "b": [[1, 1, 1, 1, 1]]}
+    merged = tune.merge(old, new)
+    assert merged["b"] == old["b"]
+    assert [e for e in merged["a"] if e[1] == 16] == [[99, 16, 4, 4, 1]]
+    assert [e for e in merged["a"] if e[1] == 8] == new["a"]
