@@ -85,8 +85,8 @@ def poisoned_outputs():
         return common.RowCall(
             skip_poison_refs,
             call.inputs + [jnp.full(o.shape, v, o.dtype) for o, v in zip(call.out_shapes, call.out_poison)],
-            call.in_specs + list(call.out_specs),
-            call.out_shapes, call.out_specs, call.out_poison,
+            call.in_specs + [call.row_spec(o.shape) for o in call.out_shapes],
+            call.out_shapes, call.row_spec, call.out_poison,
             {n_in + j: j for j in range(n_out)})
 
     with common.wrapping(poison):

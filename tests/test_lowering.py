@@ -136,10 +136,11 @@ def test_hooks_apply_to_a_shape_traced_before():
     (``kernels.trace_context`` is part of the cache key)."""
     args = (sds((4, 96, 128)), sds((128,), jnp.float32), sds((4, 96, 128)))
     kind, plat = TARGETS[0]
-    for config in (None, launch.LaunchConfig(2, 2, 1), launch.LaunchConfig(1, 4, 1, 4)):
+    for config in (None, launch.LaunchConfig(2, 2, 1), launch.LaunchConfig(1, 16, 1)):
         # A new function each time (as bench.tune makes), so that jit's own cache misses.
         fn = lambda x, w, g: kp.rmsnorm_gated_fp8_per_token(x, w, g, impl="pallas")  # noqa: E731
         with launch.forced(config) if config else launch.recording(), launch.recording() as log:
             text = testing.lower_for(fn, args, kind, plat).as_text()
         assert len(log) == 1 and (config is None or log[0].config == config), log
-        assert len(testing.triton_launches(text)) == (2 if config and config.split > 1 else 1)
+        (call,) = testing.triton_launches(text)
+        assert config is None or call["num_warps"] == config.num_warps

@@ -84,9 +84,9 @@ def test_shipped_tuned_table_is_well_formed():
     for arch, ops in launch.tuned_table().items():
         for op, entries in ops.items():
             assert op in k3ops.OPS, op
-            for max_tokens, row_elems, rows, warps, stages in entries:
-                LaunchConfig(rows, warps, stages)  # validates powers of two
-                assert max_tokens >= 1 and row_elems >= 1
+            for max_tokens, row_elems, rows, warps, stages, *split in entries:
+                LaunchConfig(rows, warps, stages, *split)  # validates powers of two
+                assert max_tokens >= 1 and row_elems >= 1 and len(split) <= 1
 
 
 def test_launch_config_validation():

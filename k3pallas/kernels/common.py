@@ -145,7 +145,7 @@ class RowCall:
     inputs: list
     in_specs: list
     out_shapes: list
-    out_specs: list  # per output: its BlockSpec (row blocks, or whole: ``row_call``'s ``whole_outputs``)
+    row_spec: object  # shape -> the BlockSpec of an array with rows as its first axis
     out_poison: list  # per output: a value that marks an unwritten element (NaN; a NaN fp8 code)
     aliases: dict = dataclasses.field(default_factory=dict)  # input index -> output index
 
@@ -165,16 +165,15 @@ def wrapping(fn):
 
 
 def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs, shared_inputs,
-             out_shapes, interpret: bool, out_poison=None, whole_outputs=(), programs_per_block=1):
+             out_shapes, interpret: bool, out_poison=None, programs_per_block=1):
     """Launch ``kernel`` once over row blocks: ONE pallas_call, grid ``cdiv(n_rows, R)`` (by
     ``programs_per_block`` when several programs share a row block: ``pl.program_id(1)`` tells
     them apart).
 
     ``row_inputs`` and the arrays of ``out_shapes`` have rows as their first axis and are split
-    into ``R``-row blocks; ``shared_inputs`` (weights) are whole in every program, and so are the
-    outputs whose indices ``whole_outputs`` lists (each program writes its own elements of them).
-    The kernel receives refs in the order row inputs, shared inputs, outputs. ``out_poison``: per
-    output, the value that marks an element left unwritten (default NaN; see ``RowCall``).
+    into ``R``-row blocks; ``shared_inputs`` (weights) are whole in every program. The kernel
+    receives refs in the order row inputs, shared inputs, outputs. ``out_poison``: per output, the
+    value that marks an element left unwritten (default NaN; see ``RowCall``).
     """
     rows = config.rows_per_program
 
@@ -193,10 +192,7 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
                       for o in out_shapes]
     call = RowCall(kernel, list(row_inputs) + list(shared_inputs),
                    [row_spec(a.shape) for a in row_inputs] + [whole_spec(a.shape) for a in shared_inputs],
-                   list(out_shapes),
-                   [(whole_spec if j in whole_outputs else row_spec)(o.shape)
-                    for j, o in enumerate(out_shapes)],
-                   list(out_poison or [float("nan")] * len(out_shapes)))
+                   list(out_shapes), row_spec, list(out_poison or [float("nan")] * len(out_shapes)))
     wrapper = _WRAP.get()
     if wrapper is not None:
         call = wrapper(call)
@@ -204,7 +200,7 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
         call.kernel,
         grid=(pl.cdiv(n_rows, rows),) + ((programs_per_block,) if programs_per_block > 1 else ()),
         in_specs=call.in_specs,
-        out_specs=call.out_specs,
+        out_specs=[row_spec(o.shape) for o in call.out_shapes],
         out_shape=call.out_shapes,
         input_output_aliases=call.aliases,
         compiler_params=_compat.triton_compiler_params(config.num_warps, config.num_stages),

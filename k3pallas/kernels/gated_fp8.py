@@ -12,12 +12,14 @@ budget of a memory-bound kernel on an H200), so the epilogue is lean, with resul
 reference's semantics:
 
 * the sigmoid is ``rsqrt(1 + exp2(-g * log2(e)))**2``: the reciprocal as a squared reciprocal
-  square root, the one reciprocal the lowering emits as a single hardware approximation on both
-  backends (``__nv_rsqrtf``, ``__ocml_rsqrt_f32``), where ``1 / u`` is an IEEE division (about
-  ten vector instructions per value on gfx942: the sigmoid cut the 96-head FP8 kernel from 892
-  to 664 VALU instructions per wavefront in XLA's gfx942 code). The argument is >= 1, so no
-  denormal path; the result is within a few float32 ulp of ``1 / u`` (1 at ``u = 1``, 0 at
-  ``u = inf``, NaN for NaN), far below the output formats' rounding;
+  square root, which the lowering emits as one hardware approximation on both backends
+  (``__nv_rsqrtf``, ``__ocml_rsqrt_f32``), where ``1 / u`` is an IEEE division (about ten
+  vector instructions per value in XLA's gfx942 code: the squared rsqrt cut the 96-head FP8
+  kernel from 892 to 664 VALU instructions per wavefront there; on the H200, where these
+  kernels are bound by memory latency rather than issue, it measured within 4 %, see
+  bench/NOTES.md). The argument is >= 1, so no denormal path; the result is within a few
+  float32 ulp of ``1 / u`` (exactly 1 at ``u = 1``, 0 at ``u = inf``, NaN for NaN), far below
+  the output formats' rounding;
 * the scale is applied as one reciprocal per row and a multiply per element (``y * (1/scale)``
   differs from ``y / scale`` by at most an ulp, which can only move a code at a rounding tie);
 * the clamp to ``+-fp8_max`` runs only with ``scale_ub``: without it ``|y| <= amax`` and
@@ -39,7 +41,6 @@ H200). Both round to nearest even.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -50,7 +51,6 @@ from k3pallas import sharding
 from k3pallas.kernels import common, launch, quant as quant_lib, register
 
 _LOG2E = 1.4426950408889634
-_SCALE_IN = ("given_scale", "partial_scales")  # modes whose scale ref precedes the weights
 
 
 def _activation(g, name: str):
@@ -59,9 +59,8 @@ def _activation(g, name: str):
     return sig if name == "sigmoid" else g * sig
 
 
-def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activation, quant, mode,
-                  group=1):
-    s_ref, w_ref, *out_refs = refs if mode in _SCALE_IN else (None, *refs)
+def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activation, quant, mode):
+    s_ref, w_ref, *out_refs = refs if mode == "given_scale" else (None, *refs)
     in_rows = common.row_mask(n_rows, rows, 3)
     d_index, d_lanes = common.lane_index(width)
     r = jnp.arange(rows, dtype=jnp.int32)[:, None, None]
@@ -85,15 +84,14 @@ def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activati
         for index, mask, y in ys:
             common.store(o_ref, index, y, mask)
         return
-    quant_lib.epilogue(ys, out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant, mode=mode,
-                       group=group)
+    quant_lib.epilogue(ys, out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant, mode=mode)
 
 
-def _sigmoid_mul_kernel(x_ref, g_ref, *refs, n_rows, rows, width, quant, mode, group=1):
+def _sigmoid_mul_kernel(x_ref, g_ref, *refs, n_rows, rows, width, quant, mode):
     """``y = x * sigmoid(gate)`` in float32 over power-of-two column pieces (12288 = 8192 +
     4096: no padded lanes), then the row's FP8 (``quant.epilogue``). Padded lanes of a last
     piece load 0 and give ``y = 0``."""
-    s_ref, *out_refs = refs if mode in _SCALE_IN else (None, *refs)
+    s_ref, *out_refs = refs if mode == "given_scale" else (None, *refs)
     in_rows = common.row_mask(n_rows, rows, 2)
     r = jnp.arange(rows, dtype=jnp.int32)[:, None]
     loaded = []
@@ -104,17 +102,16 @@ def _sigmoid_mul_kernel(x_ref, g_ref, *refs, n_rows, rows, width, quant, mode, g
         loaded.append((index, mask, common.load(x_ref, index, mask), common.load(g_ref, index, mask)))
     ys = [(index, mask, x.astype(jnp.float32) * _activation(g.astype(jnp.float32), "sigmoid"))
           for index, mask, x, g in loaded]
-    quant_lib.epilogue(ys, out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant, mode=mode,
-                       group=group)
+    quant_lib.epilogue(ys, out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant, mode=mode)
 
 
-def _quant_kernel(x_ref, *refs, n_rows, rows, width, quant, mode, group=1):
-    s_ref, *out_refs = refs if mode in _SCALE_IN else (None, *refs)
+def _quant_kernel(x_ref, *refs, n_rows, rows, width, quant, mode):
+    s_ref, *out_refs = refs if mode == "given_scale" else (None, *refs)
     index, lanes = common.tile_index(rows, (width,))
     mask = common.both(common.row_mask(n_rows, rows, 2), lanes)
     y = common.load(x_ref, index, mask).astype(jnp.float32)
     quant_lib.epilogue([(index, mask, y)], out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant,
-                       mode=mode, group=group)
+                    mode=mode)
 
 
 def gated_row_elems(heads: int, width: int) -> tuple[int, int]:
@@ -136,62 +133,23 @@ def quant_row_elems(width: int) -> tuple[int, int]:
     return padded, padded
 
 
-def _fp8_call(kernel_fn, op, row_inputs, shared_inputs, layout, *, quant, interpret, config,
-              mode, scale):
-    """The FP8 launch(es) of ``kernel_fn`` in ``mode`` (see ``rmsnorm_gated_rows``): codes of the
-    first row input's shape and a scale per row. ``layout(shape)``: for row inputs of ``shape``,
-    ((elements a row loads, elements of its largest tile row), the kernel's static arguments).
-
-    ONE launch, unless the launch config splits the rows (``LaunchConfig.split`` = S: decode
-    sizes): the row inputs are then viewed as S times as many pieces, cut along their axis 1
-    (heads or columns; a free reshape), and two launches run over the pieces: "scale_only"
-    gives each piece's scale, then "partial_scales" combines each row's S scales (their max,
-    NaN if any is NaN: exactly the scale of the whole row) and writes the codes and the scale.
-    """
-    shape = row_inputs[0].shape
-    n_rows = shape[0]
-    quant = quant_lib.kernel_quant(quant, interpret=interpret)
-
-    def piece_shape(split):
-        return None if shape[1] % split else (n_rows * split, shape[1] // split) + shape[2:]
-
-    def pieces(split):
-        return None if piece_shape(split) is None else layout(piece_shape(split))[0]
-
-    if config is None:
-        config = launch.launch_config(op, n_rows, *layout(shape)[0], pieces=pieces)
-    if config.split == 1:
-        return _fp8_launch(kernel_fn, op, row_inputs, shared_inputs, layout(shape)[1], quant=quant,
-                           interpret=interpret, config=config, mode=mode, scale=scale)
-    split = config.split
-    if piece_shape(split) is None:
-        raise ValueError(f"{op}: LaunchConfig.split={split} does not divide axis 1 of {shape}")
-    run = functools.partial(
-        _fp8_launch, kernel_fn, op, [a.reshape(piece_shape(split)) for a in row_inputs],
-        shared_inputs, layout(piece_shape(split))[1], quant=quant, interpret=interpret,
-        config=dataclasses.replace(config, split=1))
-    if mode == "given_scale":
-        codes, _ = run(mode="partial_scales", scale=scale.reshape(n_rows, 1), group=split)
-        return codes.reshape(shape), None
-    _, partial = run(mode="scale_only", scale=None)
-    if mode == "scale_only":
-        return None, quant_lib.combine_scales(partial.reshape(n_rows, split))
-    codes, scale = run(mode="partial_scales", scale=partial.reshape(n_rows, split), group=split)
-    return codes.reshape(shape), scale
-
-
-def _fp8_launch(kernel_fn, op, row_inputs, shared_inputs, static, *, quant, interpret, config,
-                mode, scale, group=1):
-    """ONE launch of ``kernel_fn`` over the rows of ``row_inputs`` in ``mode``."""
+def _fp8_call(kernel_fn, op, row_inputs, shared_inputs, row_elems, *, quant, interpret, config,
+              mode, scale, **static):
+    """ONE FP8 launch of ``kernel_fn`` in ``mode`` (see ``rmsnorm_gated_rows``): codes of the
+    first row input's shape and a scale per row. ``row_elems``: (elements a row loads, elements
+    of its largest tile row), for the launch config of ``op``."""
     n_rows = row_inputs[0].shape[0]
+    quant = quant_lib.kernel_quant(quant, interpret=interpret)
+    if config is None:
+        config = launch.launch_config(op, n_rows, *row_elems)
     kernel = functools.partial(kernel_fn, n_rows=n_rows, rows=config.rows_per_program,
-                               quant=quant, mode=mode, group=group, **static)
-    outs, poison, whole = quant_lib.outputs(row_inputs[0].shape, n_rows, quant, mode, scale, group)
+                               quant=quant, mode=mode, **static)
+    outs, poison = quant_lib.outputs(row_inputs[0].shape, n_rows, quant, mode, scale)
     result = common.row_call(
         kernel, name=f"k3pallas_{op}" + ("" if mode == "dynamic" else f"_{mode}"), n_rows=n_rows,
         config=config, row_inputs=list(row_inputs) + ([scale] if mode == "given_scale" else []),
-        shared_inputs=([scale] if mode == "partial_scales" else []) + list(shared_inputs),
-        out_shapes=outs, interpret=interpret, out_poison=poison, whole_outputs=whole)
+        shared_inputs=list(shared_inputs), out_shapes=outs, interpret=interpret,
+        out_poison=poison)
     return quant_lib.results(result, quant, mode)
 
 
@@ -206,13 +164,9 @@ def rmsnorm_gated_rows(x, gate, weight, *, eps: float, activation: str,
     n_rows, heads, width = x.shape
     static = dict(heads=heads, width=width, eps=float(eps), activation=activation)
     if quant is not None:
-        def layout(shape):
-            return (gated_row_elems(shape[1], shape[2]),
-                    dict(static, heads=shape[1], width=shape[2]))
-
         return _fp8_call(_gated_kernel, "rmsnorm_gated_fp8_per_token", [x, gate], [weight],
-                         layout, quant=quant, interpret=interpret, config=config, mode=mode,
-                         scale=scale)
+                         gated_row_elems(heads, width), quant=quant, interpret=interpret,
+                         config=config, mode=mode, scale=scale, **static)
     if config is None:
         config = launch.launch_config("rmsnorm_gated", n_rows, *gated_row_elems(heads, width))
     kernel = functools.partial(_gated_kernel, n_rows=n_rows, rows=config.rows_per_program,
@@ -229,9 +183,10 @@ def per_token_fp8_rows(x, *, quant: fp8_lib.Fp8Params, interpret: bool,
                        scale=None):
     """``x [T, N]`` -> ``(codes [T, N] fp8, scale [T] float32)``; ``mode`` as in
     ``rmsnorm_gated_rows``."""
-    return _fp8_call(_quant_kernel, "per_token_fp8_quant", [x], [],
-                     lambda shape: (quant_row_elems(shape[1]), dict(width=shape[1])),
-                     quant=quant, interpret=interpret, config=config, mode=mode, scale=scale)
+    width = x.shape[1]
+    return _fp8_call(_quant_kernel, "per_token_fp8_quant", [x], [], quant_row_elems(width),
+                     quant=quant, interpret=interpret, config=config, mode=mode, scale=scale,
+                     width=width)
 
 
 def sigmoid_mul_fp8_rows(x, gate, *, quant: fp8_lib.Fp8Params, interpret: bool,
@@ -239,9 +194,10 @@ def sigmoid_mul_fp8_rows(x, gate, *, quant: fp8_lib.Fp8Params, interpret: bool,
                          scale=None):
     """``x``, ``gate`` ``[T, N]`` -> FP8 of ``x * sigmoid(gate)``: ``(codes [T, N], scale [T])``;
     ``mode`` as in ``rmsnorm_gated_rows``."""
+    width = x.shape[1]
     return _fp8_call(_sigmoid_mul_kernel, "sigmoid_mul_fp8_per_token", [x, gate], [],
-                     lambda shape: (sigmoid_mul_row_elems(shape[1]), dict(width=shape[1])),
-                     quant=quant, interpret=interpret, config=config, mode=mode, scale=scale)
+                     sigmoid_mul_row_elems(width), quant=quant, interpret=interpret,
+                     config=config, mode=mode, scale=scale, width=width)
 
 
 # ------------------------------------------------------------------------------------------------

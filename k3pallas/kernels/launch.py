@@ -1,5 +1,5 @@
-"""How the kernels are launched: rows per program, ``num_warps``, ``num_stages``, and whether a
-row is split over several programs.
+"""How the kernels are launched: rows per program, ``num_warps``, ``num_stages``, and programs
+per row block.
 
 Backend business (these are Triton's launch parameters): the API never sees them. One pure
 function of the op, the row count, the padded row size and the target (``heuristic_config``),
@@ -29,14 +29,13 @@ __all__ = ["LaunchConfig", "launch_config", "heuristic_config", "tuned_table", "
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
-    rows_per_program: int  # power of two (rows of the launched pieces when split)
+    rows_per_program: int  # power of two
     num_warps: int  # warps (NVIDIA) or wavefronts (AMD) per program
     num_stages: int = 1  # the row kernels have no loop to pipeline; kept explicit for the sweep
-    # Pieces per row (power of two). 1: a program holds whole rows, one launch. S > 1 (the FP8
-    # row kernels only, for few large rows): each row is cut into S pieces along its head or
-    # column axis, and two launches over the pieces run: the pieces' scales, then the codes with
-    # the row's scale combined from them (``gated_fp8``). Spreads a decode token's work over S
-    # programs (cores) at the price of reading it twice.
+    # Programs per row block. 1: a program does all of its rows. 2 (the joint norms, whose rows
+    # hold several segments): q on one program, kv (and the rope part) on another, in the same
+    # launch: the two halves of a token run on two cores (H200: 1.20 -> 1.12 us at T = 1,
+    # 10.38 -> 10.03 at T = 4096; bench/NOTES.md). Chosen by the tuned table only.
     split: int = 1
 
     def __post_init__(self):
@@ -65,9 +64,6 @@ _PROGRAMS_PER_CORE_THROUGHPUT = 4
 _MAX_THREADS = 1024
 _MAX_ROWS = 64
 _INTERPRET_ROWS = 16
-# Row splitting (``LaunchConfig.split``).
-_SPLIT_MIN_ROW_ELEMS = 16384
-_SPLIT_MAX = 8
 
 
 def _pow2_floor(n: int) -> int:
@@ -79,36 +75,14 @@ def _pow2_ceil(n: int) -> int:
 
 
 def heuristic_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int,
-                     target: Target, pieces=None) -> LaunchConfig:
+                     target: Target) -> LaunchConfig:
     """The default launch config: a pure function of the problem and the target.
 
     ``row_elems``: elements one row loads over all its tiles (padded to powers of two);
     ``max_tile_row_elems``: the largest single tile's row (tiles are processed one after another,
-    so the largest decides the registers per thread). ``pieces``: for a kernel that can split a
-    row (``LaunchConfig.split``), ``S -> (row_elems, max_tile_row_elems)`` of a piece, or None
-    where ``S`` does not divide the row.
+    so the largest decides the registers per thread).
     """
-    split = _heuristic_split(n_rows, row_elems, target, pieces)
-    if split > 1:
-        piece_elems, piece_tile = pieces(split)
-        return dataclasses.replace(
-            _rows_and_warps(n_rows * split, piece_elems, piece_tile, target), split=split)
-    return _rows_and_warps(n_rows, row_elems, max_tile_row_elems, target)
-
-
-def _heuristic_split(n_rows, row_elems, target, pieces) -> int:
-    """Pieces per row: split only rows of at least ``_SPLIT_MIN_ROW_ELEMS`` while the rows alone
-    leave most cores idle, into as many pieces as the cores take (at most ``_SPLIT_MAX``)."""
-    if pieces is None or not target.is_gpu or row_elems < _SPLIT_MIN_ROW_ELEMS:
-        return 1
-    split = 1
-    while (split * 2 <= _SPLIT_MAX and n_rows * split * 2 <= target.num_cores
-           and pieces(split * 2) is not None):
-        split *= 2
-    return split
-
-
-def _rows_and_warps(n_rows, row_elems, max_tile_row_elems, target) -> LaunchConfig:
+    del op  # one rule serves every row kernel today; the tuned table specializes per op
     if not target.is_gpu:
         # Interpret mode runs the programs one after another, so large programs are fastest; but
         # a fixed size, not one that grows with the token count: XLA's CPU reductions over a
@@ -197,10 +171,10 @@ def recording():
 
 
 def launch_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int | None = None,
-                  target: Target | None = None, pieces=None) -> LaunchConfig:
-    """The launch config for ``op`` on ``target`` (default: ``current_target()``); ``pieces``
-    as in ``heuristic_config`` (None: the kernel cannot split a row, and a config with
-    ``split > 1`` for it is an error)."""
+                  target: Target | None = None, splits: tuple[int, ...] = ()) -> LaunchConfig:
+    """The launch config for ``op`` on ``target`` (default: ``current_target()``). ``splits``:
+    the ``LaunchConfig.split`` values above 1 that this kernel can run for this row (a tuned
+    entry with another is skipped; a forced config with another is an error)."""
     from k3pallas import kernels
 
     if op not in kernels.ops():
@@ -209,21 +183,20 @@ def launch_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int 
     max_tile_row_elems = row_elems if max_tile_row_elems is None else max_tile_row_elems
     config = _FORCED.get()
     if config is None:
-        config = _choose(op, n_rows, row_elems, max_tile_row_elems, target, pieces)
-    if config.split > 1 and (pieces is None or pieces(config.split) is None):
-        raise ValueError(f"{op}: launch config {config} splits rows in {config.split} pieces, "
-                         "which this kernel cannot do for this row shape")
+        config = _choose(op, n_rows, row_elems, max_tile_row_elems, target, splits)
+    if config.split > 1 and config.split not in splits:
+        raise ValueError(f"{op}: launch config {config} puts a row block on {config.split} "
+                         "programs, which this kernel cannot do for this row shape")
     log = _RECORDING.get()
     if log is not None:
         log.append(Launch(op, n_rows, row_elems, max_tile_row_elems, config))
     return config
 
 
-def _choose(op, n_rows, row_elems, max_tile_row_elems, target, pieces) -> LaunchConfig:
+def _choose(op, n_rows, row_elems, max_tile_row_elems, target, splits) -> LaunchConfig:
     for max_rows, elems, rows, warps, stages, *split in tuned_table().get(target.arch, {}).get(op, []):
         split = split[0] if split else 1
-        if elems == row_elems and n_rows <= max_rows and (
-                split == 1 or (pieces is not None and pieces(split) is not None)):
-            rows = min(rows, _pow2_ceil(max(1, n_rows * split)))
+        if elems == row_elems and n_rows <= max_rows and (split == 1 or split in splits):
+            rows = min(rows, _pow2_ceil(max(1, n_rows)))
             return LaunchConfig(rows, warps, stages, split)
-    return heuristic_config(op, n_rows, row_elems, max_tile_row_elems, target, pieces)
+    return heuristic_config(op, n_rows, row_elems, max_tile_row_elems, target)

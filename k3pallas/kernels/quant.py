@@ -113,39 +113,17 @@ def as_fp8(codes, quant: Quant):
     return codes if quant.native else lax.bitcast_convert_type(codes, quant.dtype)
 
 
-def combine_scales(partial, axis=-1):
-    """The scale of a row from the scales of its pieces (``LaunchConfig.split``), outside a kernel:
-    their maximum, NaN if any is NaN. Exact: a scale is a monotone function of the amax."""
-    return jnp.where(jnp.isnan(partial).any(axis), jnp.nan, partial.max(axis))
-
-
-def _token_scale(s_ref, token, exists):
-    """The scale of each ``token`` (a 1-D index) from the whole partial scales ``s_ref [N, P]``:
-    the maximum of its ``P`` pieces' scales, NaN if any is (Triton's max drops NaN; their sum
-    keeps it)."""
-    p_index, p_lanes = common.lane_index(s_ref.shape[1])
-    mask = common.both(exists[:, None], None if p_lanes is None else p_lanes[None, :])
-    p = common.load(s_ref, (token[:, None], p_index[None, :]), mask)
-    total = jnp.sum(p, axis=1)
-    return jnp.where(total != total, jnp.nan, jnp.max(p, axis=1))
-
-
-def epilogue(ys, out_refs, s_ref, *, n_rows, rows, quant, mode, group=1, pid=None):
+def epilogue(ys, out_refs, s_ref, *, n_rows, rows, quant, mode, pid=None):
     """Per-row FP8 of the float32 tiles ``ys`` ([(index, mask, y)], together the rows).
 
     ``mode``: "dynamic" (the scale from the rows; codes and scale out), "scale_only" (only the
-    scale out), "given_scale" (the scale read from ``s_ref``; only codes out) or
-    "partial_scales" (the rows are pieces of ``group`` per token: their scale combined from the
-    whole ``s_ref [n_rows / group, P]``; codes and the token's scale, a whole ``[n_rows /
-    group]`` output written by each token's first piece). ``pid``: as in ``common.row_mask``.
+    scale out) or "given_scale" (the scale read from ``s_ref``; only codes out). ``pid``: as in
+    ``common.row_mask``.
     """
     r_index = jnp.arange(rows, dtype=jnp.int32)
     r_mask = common.row_mask(n_rows, rows, 1, pid)
     if mode == "given_scale":
         scale = common.load(s_ref, r_index, r_mask, other=1.0)
-    elif mode == "partial_scales":  # this program's rows are pieces: row r of token r // group
-        r = pl.program_id(0) * rows + r_index
-        scale = _token_scale(s_ref, r // group, r < n_rows)
     else:
         scale = row_scale([y for _, _, y in ys], quant)
     if mode == "scale_only":
@@ -159,32 +137,21 @@ def epilogue(ys, out_refs, s_ref, *, n_rows, rows, quant, mode, group=1, pid=Non
                      mask)
     if mode == "dynamic":
         common.store(out_refs[1], r_index, scale, r_mask)
-    elif mode == "partial_scales":
-        # The scale of the tokens whose first piece is here, from the same partial scales (a
-        # store with distinct indices: a masked store may not repeat an index in interpret mode).
-        first = pl.program_id(0) * rows
-        n = max(1, rows // group)
-        token = first // group + jnp.arange(n, dtype=jnp.int32)
-        exists = (token < n_rows // group) & (first % group == 0)
-        common.store(out_refs[1], token, _token_scale(s_ref, token, exists), exists)
 
 
-MODES = ("dynamic", "scale_only", "given_scale", "partial_scales")
+MODES = ("dynamic", "scale_only", "given_scale")
 
 
-def outputs(shape, n_rows, quant, mode, scale, group=1):
-    """(output structs, poison values, indices of whole outputs) of an FP8 launch in ``mode``;
-    checks mode and scale."""
+def outputs(shape, n_rows, quant, mode, scale):
+    """(output structs, poison values) of an FP8 launch in ``mode``; checks mode and scale."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if (scale is None) != (mode not in ("given_scale", "partial_scales")):
-        raise ValueError(f"a scale is passed exactly in mode 'given_scale' (and the split "
-                         f"launches' 'partial_scales'; mode {mode!r})")
+    if (scale is None) != (mode != "given_scale"):
+        raise ValueError(f"a scale is passed exactly in mode 'given_scale' (mode {mode!r})")
     codes = (codes_struct(shape, quant), codes_poison(quant))
-    scale = (jax.ShapeDtypeStruct((n_rows // group,), jnp.float32), float("nan"))
-    outs = {"dynamic": [codes, scale], "scale_only": [scale], "given_scale": [codes],
-            "partial_scales": [codes, scale]}[mode]
-    return [o for o, _ in outs], [p for _, p in outs], ((1,) if mode == "partial_scales" else ())
+    scale = (jax.ShapeDtypeStruct((n_rows,), jnp.float32), float("nan"))
+    outs = {"dynamic": [codes, scale], "scale_only": [scale], "given_scale": [codes]}[mode]
+    return [o for o, _ in outs], [p for _, p in outs]
 
 
 def results(result, quant, mode):
@@ -192,4 +159,4 @@ def results(result, quant, mode):
     if mode == "scale_only":
         return None, result[0]
     codes = as_fp8(result[0], quant)
-    return codes, (result[1] if mode in ("dynamic", "partial_scales") else None)
+    return codes, (result[1] if mode == "dynamic" else None)

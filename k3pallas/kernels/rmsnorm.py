@@ -3,7 +3,9 @@
 A *segment* is a run of columns of one input: ``(source, start, width, eps)``. Segments with an
 ``eps`` are normalized with their own weight; segments without one are copied through. Each
 program takes ``R`` rows and handles every segment of them, so all the tensors of a row are read
-once and written once by the same program, in one launch:
+once and written once in one launch; or, with ``LaunchConfig.split = 2`` (the tuned table's
+choice where it measured faster: decode and mid-size T on the H200), two programs share a row
+block, one doing the first segment (q) and one the others (kv, rope), still one launch:
 
 * ``rmsnorm``: one input, one segment;
 * ``fused_q_kv_rmsnorm``: MLA's ``q_c [T, 1536]`` and ``kv_c [T, 512]``, two inputs, two
@@ -111,17 +113,13 @@ def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
     segments = tuple(Segment(s.source, s.start, s.width, None if s.eps is None else float(s.eps))
                      for s in segments)
 
-    def pieces(split):  # split 2: the first segment on one program, the others on another
-        if split != 2 or len(segments) < 2:
-            return None
-        return max(row_elems([segments[0].width]), row_elems([s.width for s in segments[1:]]))
-
+    splits = (2,) if len(segments) > 1 else ()  # the first segment, and the others
     if config is None:
         config = launch.launch_config(op, n_rows, *row_elems([s.width for s in segments]),
-                                      pieces=pieces)
-    elif config.split > 1 and pieces(config.split) is None:
-        raise ValueError(f"{op}: LaunchConfig.split={config.split} is not 1, or 2 with two or more "
-                         "segments")
+                                      splits=splits)
+    elif config.split != 1 and config.split not in splits:
+        raise ValueError(f"{op}: LaunchConfig.split={config.split}; this kernel takes 1"
+                         + (" or 2" if splits else ""))
     groups = None if config.split == 1 else ((0,), tuple(range(1, len(segments))))
     quant = None if fp8 is None else quant_lib.kernel_quant(fp8, interpret=interpret)
     kernel = functools.partial(_kernel, n_rows=n_rows, rows=config.rows_per_program,
@@ -129,7 +127,7 @@ def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
     outs = [jax.ShapeDtypeStruct((n_rows, s.width), xs[s.source].dtype) for s in segments]
     poison = [float("nan")] * len(outs)
     if quant is not None:  # the first segment's output: FP8 codes and a scale per row
-        outs[:1], poison[:1], _ = quant_lib.outputs(outs[0].shape, n_rows, quant, "dynamic", None)
+        outs[:1], poison[:1] = quant_lib.outputs(outs[0].shape, n_rows, quant, "dynamic", None)
     result = common.row_call(
         kernel, name=f"k3pallas_{op}", n_rows=n_rows, config=config,
         row_inputs=list(xs), shared_inputs=list(weights), out_shapes=outs, interpret=interpret,
