@@ -77,3 +77,24 @@ def test_tuned_split_entries(monkeypatch):
     assert launch.launch_config("fused_q_kv_rmsnorm", 64, 2560, 2048, h200, splits=(2,)) == \
         LaunchConfig(1, 1, 1)
     assert launch.launch_config("rmsnorm", 1, 2048, 2048, h200) == LaunchConfig(1, 8, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["fused_q_kv_rmsnorm", "fused_q_kv_rmsnorm_fp8", "mla_q_kv_norm",
+                                "mla_q_kv_norm_fp8"])
+@pytest.mark.parametrize("t", [1, 7, 4096])
+def test_norm_split_compiled(rng, op, t):
+    """Compiled: the two-program launch equals the one-program launch of the same rows and warps
+    bit for bit (each segment runs the same code), with poisoned outputs."""
+    from k3pallas import ops as k3ops
+
+    spec = k3ops.OPS[op]
+    structs, options = spec.example(t, jnp.dtype(jnp.bfloat16), **spec.sizes["deepseek-v3-mla"])
+    args = [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in structs]
+    outs = []
+    for split in (1, 2):
+        with launch.forced(LaunchConfig(1, 2, 1, split)), testing.poisoned_outputs():
+            outs.append(jax.jit(lambda *a: spec.fn(*a, impl="pallas", **options))(*args))
+    for a, b in zip(*(jax.tree_util.tree_leaves(o) for o in outs)):
+        assert not np.isnan(np.asarray(b, np.float32)).any()
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
