@@ -78,9 +78,10 @@ def test_launch_config_follows_the_target(tokens):
         text = lowered_text(lambda *a: kp.fused_q_kv_rmsnorm(*a, impl="pallas"), args, target)
         (launched,) = testing.triton_launches(text)
         cfg = launch.launch_config("fused_q_kv_rmsnorm", tokens, 2048 + 512, 2048,
-                                     platform.target_for(*target))
+                                     platform.target_for(*target), splits=(2,))
         assert launched["num_warps"] == cfg.num_warps and launched["num_stages"] == cfg.num_stages
         assert launched["grid_x"] == -(-tokens // cfg.rows_per_program)
+        assert launched["grid_y"] == cfg.split  # q and kv on two programs where tuned so
         assert launched["name"] == "k3pallas_fused_q_kv_rmsnorm"
         warps[name] = cfg.num_warps * platform.target_for(*target).warp_size
     assert all(threads <= 1024 for threads in warps.values())
