@@ -2,6 +2,8 @@
 # One GPU-machine session: GPU tests, a trace sample, the benchmark and the launch-config sweep,
 # all written under $OUT (the device tool brings that folder back). Usage, on the GPU machine:
 #   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded] [ab]
+# The GPU machine's copy of .git can be older than the tree sent: pass the commit measured, e.g.
+#   K3PALLAS_GIT_COMMIT=<git rev-parse --short HEAD, here> (bench/run.py records it).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT}

@@ -2,7 +2,8 @@
 
 Writes ``results.md`` (the tables, also printed), ``results.json`` (every number and the
 environment) and, with matplotlib installed, ``results.png`` (bandwidth against tokens) to
-``--out``. Without a GPU it runs the interpret and reference paths at small sizes and labels the
+``--out``. The two reports are rewritten after every case, marked partial until the last one,
+so a run cut short (a time limit) still leaves what it measured. Without a GPU it runs the interpret and reference paths at small sizes and labels the
 numbers as CPU wall-clock.
 """
 
@@ -92,7 +93,8 @@ def measure(case: bench_ops.Case, gpu: bool, calls: int, target) -> list[dict]:
             "launch_config": (None if name != "k3pallas" or case.launch is None else
                               {"rows_per_program": case.launch.rows_per_program,
                                "num_warps": case.launch.num_warps,
-                               "num_stages": case.launch.num_stages}),
+                               "num_stages": case.launch.num_stages,
+                               "split": case.launch.split}),
         })
     return records
 
@@ -120,7 +122,11 @@ def markdown(records: list[dict], env: dict) -> str:
            + ("; ".join(f"{d['dtype']} on {d['target']}: {'native' if d['native'] else 'encoder'} "
                         f"({d['reason']})" for d in env.get("fp8_cast_decisions", [])
                         if d["mode"] != "encoder") or "-")
-           + " (`encoder` column: the same kernel with the integer encoder).", ""]
+           + " (`encoder` column: the same kernel with the integer encoder). `R, warps`: rows "
+           "per program and warps (`, 2`: q and kv on two programs of a row block).", ""]
+    if env.get("cases_done") is not None and env["cases_done"] < env["cases"]:
+        out += [f"**PARTIAL RUN: {env['cases_done']} of {env['cases']} cases measured** (the run "
+                "was stopped before the rest).", ""]
     groups = {}
     for r in records:
         groups.setdefault((r["op"], r["config"], r["dtype"]), {}).setdefault(r["tokens"], {})[r["variant"]] = r
@@ -141,8 +147,9 @@ def markdown(records: list[dict], env: dict) -> str:
             cells += [f"{d[v]['median_us']:.2f} ({d[v]['kernels_per_call']})" for v in variants]
             cells += [f"{d[v]['median_us'] / k['median_us']:.2f}" for v in variants]
             lc = k.get("launch_config")
+            split = f", {lc['split']}" if lc and lc.get("split", 1) > 1 else ""
             cells += [f"{d['copy']['median_us']:.2f}",
-                      f"{lc['rows_per_program']}, {lc['num_warps']}" if lc else "-"]
+                      f"{lc['rows_per_program']}, {lc['num_warps']}{split}" if lc else "-"]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
@@ -239,6 +246,8 @@ def main(argv=None) -> int:
                 jobs.append((op, cfg, t))
     records = []
     t_start = time.time()
+    env["cases"] = len(jobs)
+    md = markdown(records, env)
     for i, (op, cfg, t) in enumerate(jobs, 1):
         case = bench_ops.make_case(op, cfg, t, args.dtype, impl)
         recs = measure(case, gpu, calls, target)
@@ -248,9 +257,10 @@ def main(argv=None) -> int:
                    "wall-clock: kernels not counted on the CPU")
         _log(f"[{i}/{len(jobs)} {time.time() - t_start:6.1f}s] {op} {cfg} T={t}: k3pallas "
              f"{k['median_us']:.2f} us ({kernels}), {_fmt(k['pct_of_copy'], '.0f')}% of copy")
-    env["fp8_cast_decisions"] = [dataclasses.asdict(d) for d in kp.fp8_cast_decisions()]
-    md = markdown(records, env)
-    write_report(args.out, "results", md, {"environment": env, "records": records})
+        env["cases_done"] = i
+        env["fp8_cast_decisions"] = [dataclasses.asdict(d) for d in kp.fp8_cast_decisions()]
+        md = markdown(records, env)
+        write_report(args.out, "results", md, {"environment": env, "records": records})
     # The bandwidth plot is a GPU result; CPU wall-clock numbers would only mislead in a picture.
     plotted = gpu and plot(records, env, os.path.join(args.out, "results.png"))
     print(md)

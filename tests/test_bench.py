@@ -89,6 +89,13 @@ def test_quick_mode_end_to_end(tmp_path):
     gbs = [line.split("|")[3].strip() for line in md.splitlines() if line.startswith("| 1 |")]
     assert gbs and all(float(g) > 0 for g in gbs), gbs  # small figures keep their digits
     assert "wall-clock: kernels not counted on the CPU" in proc.stderr
+    # The reports are rewritten after every case; this run finished, so it is not marked partial.
+    assert env["cases_done"] == env["cases"] == 4 and "PARTIAL" not in md
+    from bench import run as bench_run
+
+    first = [r for r in recs if (r["op"], r["tokens"]) == (recs[0]["op"], recs[0]["tokens"])]
+    cut = bench_run.markdown(first, {**env, "cases_done": 1})
+    assert "PARTIAL RUN: 1 of 4 cases" in cut
 
 
 def test_tune_table_and_merge():
