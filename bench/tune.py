@@ -2,9 +2,9 @@
 
 For each op of the op table (``k3pallas.ops``), its model configs and each token count, it times
 every (rows per program, num_warps) pair (``k3pallas.kernels.launch.forced``) with device-side
-timing (the kernels have no loop, so ``num_stages`` stays 1), and, with ``--splits``, every split
-of a row over programs for the ops that can split (``LaunchConfig.split``; the others skip it),
-and compares the best with the heuristic default. ``--write`` merges the winners into ``k3pallas/kernels/tuned_configs.json``
+timing (the kernels have no loop, so ``num_stages`` stays 1), and, with ``--splits 1,2``, a row
+block on one or two programs for the ops that can do that (``LaunchConfig.split``: the joint
+norms; the others skip it), and compares the best with the heuristic default. ``--write`` merges the winners into ``k3pallas/kernels/tuned_configs.json``
 under the device's architecture, which ``k3pallas.kernels.launch.launch_config`` reads. Results (every
 point) go to ``--out``/tune.json and a summary table to tune.md.
 """
@@ -53,19 +53,7 @@ def _op_fn(name, cfg_name, dtype):
         with launch.recording() as log:
             jax.jit(lambda *a: spec.fn(*a, impl="pallas", **options)).trace(*structs)
         return log[0].row_elems, log[0].max_tile_row_elems
-
-    def heuristic(t):
-        """The heuristic's config for T tokens (the tuned table bypassed)."""
-        structs, _ = spec.example(t, dt, **spec.sizes[cfg_name])
-        saved = launch.tuned_table
-        launch.tuned_table = lambda: {}
-        try:
-            with launch.recording() as log:
-                jax.jit(lambda *a: spec.fn(*a, impl="pallas", **options)).trace(*structs)
-        finally:
-            launch.tuned_table = saved
-        return log[0].config
-    return make, fn, key, heuristic
+    return make, fn, key
 
 
 def sweep(names, tokens, dtype, calls, log=print, configs=None, splits=(1,), rows_list=ROWS):
@@ -73,20 +61,19 @@ def sweep(names, tokens, dtype, calls, log=print, configs=None, splits=(1,), row
     points = []
     for name in names:
         for cfg_name in [c for c in ops.OPS[name].configs if configs is None or c in configs]:
-            make, fn, key, heuristic = _op_fn(name, cfg_name, dtype)
+            make, fn, key = _op_fn(name, cfg_name, dtype)
             for t in tokens:
                 row_elems, max_tile = key(t)
                 per_set = ops.OPS[name].bytes_moved(cfg_name, t, dtype)
                 sets = [make(s, t) for s in range(bench_ops.rotation_sets(per_set, bench_ops.cache_bytes(target)))]
-                default = heuristic(t)
+                default = launch.heuristic_config(name, t, row_elems, max_tile, target)
                 results = []
                 for split, rows, warps in itertools.product(splits, rows_list, WARPS):
-                    if rows > max(1, common.pow2(t * split)):
+                    if rows > max(1, common.pow2(t)):
                         continue
                     config = launch.LaunchConfig(rows, warps, 1, split)
-                    # A piece's largest tile: the row's over the split (exact for the head counts
-                    # of the model configs, whose pieces keep the same power-of-two parts).
-                    per_thread = rows * (max_tile // split) // (warps * target.warp_size)
+                    # (A split's programs keep the row's largest tile: the q segment.)
+                    per_thread = rows * max_tile // (warps * target.warp_size)
                     if per_thread > 128 or per_thread < 2:
                         continue  # spills for sure, or idle threads
                     f = jax.jit(lambda *a, _c=config: fn(_c, *a))
@@ -151,7 +138,7 @@ def merge(old: dict, new: dict) -> dict:
 def markdown(target, points) -> str:
     lines = [f"# Launch-config sweep on {target.device_kind} ({target.arch})", "",
              "Device time per call (median). `best` is the fastest (rows per program, num_warps, "
-             "and pieces per row where it was swept); `heuristic` is `launch.heuristic_config`.", "",
+             "and programs per row block where swept); `heuristic` is `launch.heuristic_config`.", "",
              "| op | config | T | best R, warps(, split) | best us | heuristic R, warps(, split) | heuristic us | heuristic / best |",
              "|---|---|---|---|---|---|---|---|"]
     for p in points:
@@ -173,7 +160,7 @@ def main(argv=None):
     p.add_argument("--configs", default=None, help="only these model configs (default: all)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--calls", type=int, default=10)
-    p.add_argument("--splits", default="1", help="pieces per row to sweep, e.g. 1,2,4,8")
+    p.add_argument("--splits", default="1", help="programs per row block to sweep: 1 or 1,2")
     p.add_argument("--rows", default=",".join(map(str, ROWS)), help="rows per program to sweep")
     p.add_argument("--out", default=os.path.join("bench", "out"))
     p.add_argument("--write", action="store_true", help="merge the winners into tuned_configs.json")
