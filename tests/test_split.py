@@ -61,6 +61,14 @@ def test_split_errors(rng):
             kp.rmsnorm(x, w, impl="interpret")
         with pytest.raises(ValueError, match="cannot do for this row shape"):  # the FP8 row kernels
             kp.per_token_fp8_quant(x, impl="interpret")
+    from k3pallas import fp8 as fp8_lib
+    from k3pallas.kernels import gated_fp8
+
+    g3 = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="cannot do for this row shape"):  # a config passed in
+        gated_fp8.rmsnorm_gated_rows(g3, g3, w, eps=1e-5, activation="sigmoid",
+                                     quant=fp8_lib.resolve_fp8_params("float8_e4m3fn"),
+                                     interpret=True, config=LaunchConfig(1, 4, 1, 2))
     with pytest.raises(ValueError, match="power of two"):
         LaunchConfig(1, 4, 1, 3)
 

@@ -168,7 +168,7 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
              out_shapes, interpret: bool, out_poison=None, programs_per_block=1):
     """Launch ``kernel`` once over row blocks: ONE pallas_call, grid ``cdiv(n_rows, R)`` (by
     ``programs_per_block`` when several programs share a row block: ``pl.program_id(1)`` tells
-    them apart).
+    them apart; it must equal ``config.split``).
 
     ``row_inputs`` and the arrays of ``out_shapes`` have rows as their first axis and are split
     into ``R``-row blocks; ``shared_inputs`` (weights) are whole in every program. The kernel
@@ -176,6 +176,10 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
     value that marks an element left unwritten (default NaN; see ``RowCall``).
     """
     rows = config.rows_per_program
+    if config.split != programs_per_block:  # a forced or passed-in config this kernel cannot run
+        raise ValueError(f"{name}: launch config {config} puts a row block on {config.split} "
+                         f"programs, which this kernel cannot do for this row shape (it "
+                         f"launches {programs_per_block})")
 
     def row_spec(shape):
         nrest = len(shape) - 1

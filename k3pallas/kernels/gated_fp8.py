@@ -111,7 +111,7 @@ def _quant_kernel(x_ref, *refs, n_rows, rows, width, quant, mode):
     mask = common.both(common.row_mask(n_rows, rows, 2), lanes)
     y = common.load(x_ref, index, mask).astype(jnp.float32)
     quant_lib.epilogue([(index, mask, y)], out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant,
-                    mode=mode)
+                       mode=mode)
 
 
 def gated_row_elems(heads: int, width: int) -> tuple[int, int]:

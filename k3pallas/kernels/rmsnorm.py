@@ -117,10 +117,7 @@ def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
     if config is None:
         config = launch.launch_config(op, n_rows, *row_elems([s.width for s in segments]),
                                       splits=splits)
-    elif config.split != 1 and config.split not in splits:
-        raise ValueError(f"{op}: LaunchConfig.split={config.split}; this kernel takes 1"
-                         + (" or 2" if splits else ""))
-    groups = None if config.split == 1 else ((0,), tuple(range(1, len(segments))))
+    groups = ((0,), tuple(range(1, len(segments)))) if config.split in splits else None
     quant = None if fp8 is None else quant_lib.kernel_quant(fp8, interpret=interpret)
     kernel = functools.partial(_kernel, n_rows=n_rows, rows=config.rows_per_program,
                                n_sources=len(xs), segments=segments, quant=quant, groups=groups)
@@ -131,7 +128,7 @@ def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
     result = common.row_call(
         kernel, name=f"k3pallas_{op}", n_rows=n_rows, config=config,
         row_inputs=list(xs), shared_inputs=list(weights), out_shapes=outs, interpret=interpret,
-        out_poison=poison, programs_per_block=config.split)
+        out_poison=poison, programs_per_block=1 if groups is None else len(groups))
     if quant is not None:
         result = [*quant_lib.results(result[:2], quant, "dynamic"), *result[2:]]
     return result
