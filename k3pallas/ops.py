@@ -66,6 +66,11 @@ class Op:
         return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
                    for a in list(structs) + jax.tree_util.tree_leaves(outs))
 
+    @functools.cached_property
+    def operand_names(self) -> tuple[str, ...]:
+        """Its operands' names, for errors: the reference's parameter names (the arrays first)."""
+        return tuple(inspect.signature(self.reference).parameters)
+
     @property
     def configs(self) -> tuple[str, ...]:
         """The model configs it is benchmarked, tuned and gated on (headline first)."""
@@ -242,8 +247,7 @@ def call(name: str, impl, arrays, options: dict, *, originals=None):
     """
     op = OPS[name]
     impl = resolve_impl(impl, name)
-    rule = dataclasses.replace(op.rule(options, arrays),
-                               names=tuple(inspect.signature(op.reference).parameters))
+    rule = dataclasses.replace(op.rule(options, arrays), names=op.operand_names)
     ins = rule.sides()[0]
     fixed = dict(rule.fixed)
     originals = arrays if originals is None else originals
