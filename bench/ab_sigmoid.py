@@ -15,7 +15,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from k3pallas import ops, platform
+from k3pallas import platform
 from k3pallas.kernels import gated_fp8
 
 from bench import ops as bench_ops
@@ -33,12 +33,11 @@ def _division(g, name):
 
 
 def _time(name, cfg, t, calls):
-    spec = ops.OPS[name]
-    structs, options = spec.example(t, jnp.dtype(jnp.bfloat16), **spec.sizes[cfg])
-    n_sets = bench_ops.rotation_sets(spec.bytes_moved(cfg, t, jnp.bfloat16), bench_ops.cache_bytes(platform.current_target()))
-    sets = [bench_ops._fill(jax.random.PRNGKey(s), structs) for s in range(n_sets)]
-    f = jax.jit(lambda *a: spec.fn(*a, impl="pallas", **options))
-    return timing.time_device(f, sets, n_calls=calls).median_us
+    """The fused kernel's device time, with the benchmark's inputs and input rotation."""
+    case = bench_ops.make_case(name, cfg, t, "bfloat16", "pallas")
+    n_sets = bench_ops.rotation_sets(case.input_bytes, bench_ops.cache_bytes(platform.current_target()))
+    sets = [case.make_inputs(s) for s in range(n_sets)]
+    return timing.time_device(case.variants["k3pallas"], sets, n_calls=calls).median_us
 
 
 def _measure(variant, tokens, calls):

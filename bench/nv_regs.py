@@ -13,9 +13,9 @@ import subprocess
 import sys
 import tempfile
 
-import jax.numpy as jnp
-
 from k3pallas import ops, testing
+
+from bench import rocm_check
 
 
 def registers(case: str) -> list[tuple[str, int, int]]:
@@ -25,12 +25,10 @@ def registers(case: str) -> list[tuple[str, int, int]]:
     from triton.backends.nvidia.compiler import get_ptxas
 
     name, cfg, t = case.split(":")
-    spec = ops.OPS[name]
-    structs, options = spec.example(int(t), jnp.dtype(jnp.bfloat16), **spec.sizes[cfg])
-    if spec.fp8:
-        options = {**options, "fp8_cast": "native_unchecked"}  # what the H200 runs
-    lowered = testing.lower_for(lambda *a: spec.fn(*a, impl="pallas", **options), list(structs),
-                                "NVIDIA H200", "cuda")
+    # The ROCm gate's case builder: bf16 arguments; FP8 with the native cast (what the H200 runs).
+    fn, args = rocm_check.case_fn({"op": name, "config": cfg, "tokens": int(t),
+                                   **({"fp8_cast": "native"} if ops.OPS[name].fp8 else {})})
+    lowered = testing.lower_for(fn, args, "NVIDIA H200", "cuda")
     out = []
     for mod in testing.triton_ir_modules(lowered):
         with tempfile.TemporaryDirectory() as d:

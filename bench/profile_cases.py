@@ -9,25 +9,17 @@ from __future__ import annotations
 import sys
 
 import jax
-import jax.numpy as jnp
-
-from k3pallas import ops
-from k3pallas.kernels import launch
 
 from bench import ops as bench_ops
 
 
 def run(case: str, calls: int = 2) -> None:
     name, cfg, t = case.split(":")
-    spec = ops.OPS[name]
-    structs, options = spec.example(int(t), jnp.dtype(jnp.bfloat16), **spec.sizes[cfg])
-    args = bench_ops._fill(jax.random.PRNGKey(0), structs)
-    with launch.recording() as log:
-        f = jax.jit(lambda *a: spec.fn(*a, impl="pallas", **options))
-        jax.block_until_ready(f(*args))
-    for _ in range(calls - 1):
-        jax.block_until_ready(f(*args))
-    print(case, [entry.config for entry in log], flush=True)
+    c = bench_ops.make_case(name, cfg, int(t), "bfloat16", "pallas")  # the benchmark's inputs
+    args = c.make_inputs(0)
+    for _ in range(calls):
+        jax.block_until_ready(c.variants["k3pallas"](*args))
+    print(case, c.launch, flush=True)
 
 
 if __name__ == "__main__":
