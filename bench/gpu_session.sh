@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU-machine session: GPU tests, a trace sample, the benchmark and the launch-config sweep,
 # all written under $OUT (the device tool brings that folder back). Usage, on the GPU machine:
-#   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded] [ab]
+#   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded] [ab] [ncu]
+# ab: AB_ARGS="base,store16 --cases OP:CONFIG:T,..." (bench.ab); ncu: NCU_CASES="OP:CONFIG:T ..."
+# (Nsight Compute on each case's first kernel launch, bench.profile_cases; all into ncu.txt).
 # The GPU machine's copy of .git can be older than the tree sent: pass the commit measured, e.g.
 #   K3PALLAS_GIT_COMMIT=<git rev-parse --short HEAD, here> (bench/run.py records it).
 set -uo pipefail
@@ -21,7 +23,15 @@ for step in $steps; do
     tune) timeout ${TUNE_TIMEOUT:-240} python3 -m bench.tune --out "$OUT" $TUNE_ARGS 2>"$OUT/tune.log" | tail -40 ;;
     hlo) timeout 180 python3 -m bench.hlo_report --out "$OUT" 2>"$OUT/hlo_report.log" | tail -12 ;;
     model) timeout 180 python3 -m k3pallas.models.kimi_k3 --tokens ${MODEL_TOKENS:-4096} --impl pallas 2>&1 | grep -v Warning | tee "$OUT/model_block.log" ;;
-    ab) timeout ${AB_TIMEOUT:-180} python3 -m bench.ab_sigmoid --out "$OUT" $AB_ARGS 2>"$OUT/ab.log" | tail -30 ;;
+    ab) timeout ${AB_TIMEOUT:-180} python3 -m bench.ab $AB_ARGS --out "$OUT" 2>&1 | tail -60 ;;
+    ncu) for c in ${NCU_CASES:-}; do
+           op=${c#copy:}; op=${op%%:*}; k="regex:k3pallas_${op}\$"; [[ $c == copy:* ]] && k="regex:xor"
+           echo "=== $c" >>"$OUT/ncu.txt"
+           timeout ${NCU_TIMEOUT:-90} ncu -k "$k" --launch-count 1 --section SpeedOfLight \
+             --section MemoryWorkloadAnalysis --section WarpStateStats --section InstructionStats \
+             --section LaunchStats --section Occupancy python3 -m bench.profile_cases "$c" >>"$OUT/ncu.txt" 2>&1
+           echo "ncu $c: rc $?"
+         done ;;
     sharded) timeout ${SHARDED_TIMEOUT:-300} python3 -m bench.sharded --out "$OUT" 2>"$OUT/sharded.log" | tail -30 ;;
   esac
   echo "== $step took $(( $(date +%s) - start )) s"

@@ -1,7 +1,9 @@
 """``python -m bench.profile_cases OP:CONFIG:T ...``: run each case's fused kernel a few times
 (random bf16 inputs, each op's own launch config), for a profiler wrapped around this process
 (for example Nsight Compute: ``ncu -k regex:k3pallas ... python -m bench.profile_cases ...``).
-Prints each case's launches. Not part of the benchmark: a helper for bench/NOTES.md's profiles.
+Prints each case's launches. ``copy:OP:CONFIG:T`` runs the benchmark's copy ceiling of that
+case's bytes instead (its XLA xor kernel: ``ncu -k regex:xor``). Not part of the benchmark: a
+helper for bench/NOTES.md's profiles.
 """
 
 from __future__ import annotations
@@ -14,12 +16,16 @@ from bench import ops as bench_ops
 
 
 def run(case: str, calls: int = 2) -> None:
-    name, cfg, t = case.split(":")
+    copy = case.startswith("copy:")
+    name, cfg, t = case.removeprefix("copy:").split(":")
     c = bench_ops.make_case(name, cfg, int(t), "bfloat16", "pallas")  # the benchmark's inputs
-    args = c.make_inputs(0)
+    fn, args = c.variants["k3pallas"], c.make_inputs(0)
+    if copy:
+        make, copies = bench_ops.copy_variants(c.bytes_moved)
+        fn, args = copies["xor_kernel"], make(0)
     for _ in range(calls):
-        jax.block_until_ready(c.variants["k3pallas"](*args))
-    print(case, c.launch, flush=True)
+        jax.block_until_ready(fn(*args))
+    print(case, "copy of the same bytes" if copy else c.launch, flush=True)
 
 
 if __name__ == "__main__":

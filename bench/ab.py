@@ -1,0 +1,136 @@
+"""``python -m bench.ab VARIANT[,VARIANT...] --cases OP:CONFIG:T,...``: A/B of kernel design
+variants in the same run on the same machine (device time per call, the benchmark's inputs and
+input rotation, each op's own launch config). Each variant runs in its own process, so no trace
+of another variant is cached. A measurement of design choices for bench/NOTES.md, not part of
+the benchmark.
+
+Variants (``base`` is the code as it is; the others patch it in the measuring process only):
+
+* ``division``: the gated kernels' sigmoid as the IEEE division ``1 / (1 + e)`` instead of
+  ``rsqrt(1 + e)**2``;
+* ``store16``: the FP8 codes stored through a pointer tensor of the loads' shape, so that
+  Triton's coalescing gives the bf16 loads the fp8 store's 16 values per thread (two 16-byte
+  halves of 32 bytes per thread; what the kernels did before the store went through
+  ``common.store``'s ``[..., n / 8, 8]`` view);
+* ``recompute``: the gated FP8 kernel (mode "dynamic") reloads x and gate after the token's
+  scale and recomputes y for the codes, instead of keeping y live across the reduction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from k3pallas import platform
+from k3pallas.kernels import common, gated_fp8, quant as quant_lib
+
+from bench import ops as bench_ops
+from bench import timing
+
+
+def _division():
+    def act(g, name):
+        sig = 1.0 / (1.0 + jnp.exp2(g * -gated_fp8._LOG2E))
+        return sig if name == "sigmoid" else g * sig
+    gated_fp8._activation = act
+
+
+def _store16():
+    common.store_codes = common.store
+
+
+def _recompute():
+    orig = gated_fp8._gated_kernel
+
+    def kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activation, quant, mode):
+        if quant is None or mode != "dynamic":
+            return orig(x_ref, g_ref, *refs, n_rows=n_rows, rows=rows, heads=heads, width=width,
+                        eps=eps, activation=activation, quant=quant, mode=mode)
+        w_ref, codes_ref, scale_ref = refs
+        in_rows = common.row_mask(n_rows, rows, 3)
+        d_index, d_lanes = common.lane_index(width)
+        r = jnp.arange(rows, dtype=jnp.int32)[:, None, None]
+        pieces = []
+        for h0, hc in common.pow2_parts(heads):
+            h = h0 + jnp.arange(hc, dtype=jnp.int32)[None, :, None]
+            mask = common.both(in_rows, None if d_lanes is None else d_lanes[None, None, :])
+            if h0 + hc > heads:
+                mask = common.both(mask, h < heads)
+            pieces.append(((r, h, d_index[None, None, :]), mask))
+        w = common.load(w_ref, d_index, d_lanes).astype(jnp.float32)[None, None, :]
+
+        def ys():
+            out = []
+            for index, mask in pieces:
+                x = common.load(x_ref, index, mask).astype(jnp.float32)
+                g = common.load(g_ref, index, mask).astype(jnp.float32)
+                ms = jnp.sum(x * x, axis=-1, keepdims=True) / width
+                out.append(x * common.inv_rms(ms, eps) * w * gated_fp8._activation(g, activation))
+            return out
+        scale = quant_lib.row_scale(ys(), quant)
+        r_index = jnp.arange(rows, dtype=jnp.int32)
+        common.store(scale_ref, r_index, scale, common.row_mask(n_rows, rows, 1))
+        inv = (1.0 / scale)[:, None, None]
+        for (index, mask), y in zip(pieces, ys()):
+            common.store_codes(codes_ref, index, quant_lib.codes(y, inv, quant), mask)
+    gated_fp8._gated_kernel = kernel
+
+
+VARIANTS = {"base": lambda: None, "division": _division, "store16": _store16,
+            "recompute": _recompute}
+
+
+def _time(case: str, calls: int) -> float:
+    name, cfg, t = case.split(":")
+    c = bench_ops.make_case(name, cfg, int(t), "bfloat16", "pallas")
+    n_sets = bench_ops.rotation_sets(c.input_bytes, bench_ops.cache_bytes(platform.current_target()))
+    sets = [c.make_inputs(s) for s in range(n_sets)]
+    return timing.time_device(c.variants["k3pallas"], sets, n_calls=calls).median_us
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__)
+    p.add_argument("variants", help="comma-separated; '+' combines patches, e.g. base,store16")
+    p.add_argument("--cases", required=True, help="comma-separated OP:CONFIG:T")
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--out", default=os.path.join("bench", "out"))
+    p.add_argument("--name", default="ab", help="the JSON file's name under --out")
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    cases = args.cases.split(",")
+    if args.one:  # one variant, in this (fresh) process
+        for patch in args.variants.split("+"):
+            VARIANTS[patch]()
+        print(json.dumps({c: _time(c, args.calls) for c in cases}))
+        return 0
+    got = {}
+    for variant in args.variants.split(","):
+        out = subprocess.run([sys.executable, "-m", "bench.ab", variant, "--one", "--cases",
+                              args.cases, "--calls", str(args.calls)],
+                             capture_output=True, text=True)
+        if out.returncode:
+            print(f"{variant}: failed\n{out.stderr[-3000:]}", file=sys.stderr, flush=True)
+            continue
+        got[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(variant, json.dumps(got[variant]), flush=True)
+    first = next(iter(got), None)
+    for c in cases:
+        if first is None:
+            break
+        print(c + ": " + ", ".join(f"{v} {r[c]:.2f} us ({r[c] / got[first][c]:.3f}x)"
+                                   for v, r in got.items()), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
+        json.dump({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+                   "calls": args.calls, "us": got}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
