@@ -27,10 +27,11 @@ for step in $steps; do
     ncu) for c in ${NCU_CASES:-}; do
            op=${c#copy:}; op=${op%%:*}; k="regex:k3pallas_${op}\$"; [[ $c == copy:* ]] && k="regex:xor"
            echo "=== $c" >>"$OUT/ncu.txt"
-           timeout ${NCU_TIMEOUT:-90} ncu -k "$k" --launch-count 1 --section SpeedOfLight \
+           # No preallocation: ncu saves and restores the process's device memory for each replay pass.
+           XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${NCU_TIMEOUT:-90} ncu -k "$k" --launch-count 1 --section SpeedOfLight \
              --section MemoryWorkloadAnalysis --section WarpStateStats --section InstructionStats \
              --section LaunchStats --section Occupancy python3 -m bench.profile_cases "$c" >>"$OUT/ncu.txt" 2>&1
-           echo "ncu $c: rc $?"
+           echo "ncu $c: rc $?"; pkill -9 -f bench.profile_cases; sleep 1
          done ;;
     sharded) timeout ${SHARDED_TIMEOUT:-300} python3 -m bench.sharded --out "$OUT" 2>"$OUT/sharded.log" | tail -30 ;;
   esac

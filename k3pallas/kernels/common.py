@@ -137,32 +137,6 @@ def store(ref, index, value, mask):
     plgpu.store(ref.at[index], value.astype(ref.dtype), mask=mask)
 
 
-def store_codes(ref, index, value, mask):
-    """``store`` for 1-byte codes (FP8 or their uint8 encodings) of a tile whose loads read a
-    wider type: through a ``[..., n / 8, 8]`` view of the tile's last axis (n >= 16).
-
-    Triton's coalescing gives every load and store of one pointer shape in a chain the widest
-    vector among them: a 1-byte store of the loads' shape makes the bf16 loads 16 values (32
-    bytes, two 16-byte halves with a gap) per thread, which cost the gated FP8 kernels registers
-    and L1 traffic. A store of another shape leaves the loads their own 8 values (16 bytes,
-    contiguous across a warp) and itself stores 8 bytes per thread; the element-to-thread
-    mapping is the same, so the view needs no data movement. (bench/NOTES.md, ``bench.ab``
-    variant ``store16``.)
-    """
-    n = value.shape[-1]
-    if n < 16 or n % 8:
-        return store(ref, index, value, mask)
-
-    def view(a):
-        a = jnp.asarray(a)
-        assert a.ndim == value.ndim, (a.shape, value.shape)
-        return a.reshape(a.shape[:-1] + (n // 8, 8)) if a.shape[-1] == n else a[..., None]
-
-    mask = None if mask is None else view(mask)
-    return store(ref, tuple(view(i) for i in index), value.reshape(value.shape[:-1] + (n // 8, 8)),
-                 mask)
-
-
 @dataclasses.dataclass
 class RowCall:
     """One launch as ``row_call`` is about to make it; a ``wrapping`` hook may change it."""

@@ -133,8 +133,8 @@ def epilogue(ys, out_refs, s_ref, *, n_rows, rows, quant, mode, pid=None):
     codes_ref = out_refs[0]
     inv = 1.0 / scale
     for index, mask, y in ys:
-        inv_b = inv[(slice(None),) + (None,) * (y.ndim - 1)]
-        common.store_codes(codes_ref, index, codes(y, inv_b, quant), mask)
+        common.store(codes_ref, index, codes(y, inv[(slice(None),) + (None,) * (y.ndim - 1)], quant),
+                     mask)
     if mode == "dynamic":
         common.store(out_refs[1], r_index, scale, r_mask)
 
