@@ -98,6 +98,34 @@ VARIANTS = {"base": lambda: None, "division": _division, "store8": _store8,
             "recompute": _recompute}
 
 
+def check() -> dict:
+    """Each op a variant patches, in interpret mode on small random inputs, against the package's
+    reference, outputs poisoned: {op: (max |scale / ref - 1|, max |decoded codes - ref| / max ref
+    scale)}, NaN where an element was left unwritten. A variant
+    that computes something else would make its timing meaningless (``--check``; tests)."""
+    import numpy as np
+
+    import k3pallas as kp
+    from k3pallas import testing
+
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    x, g = (jax.random.normal(k[i], (5, 3, 32), jnp.bfloat16) * 2 for i in (0, 1))
+    w = 1 + 0.1 * jax.random.normal(k[2], (32,), jnp.float32)
+    runs = {"rmsnorm_gated_fp8_per_token": lambda impl: kp.rmsnorm_gated_fp8_per_token(x, w, g, impl=impl),
+            "sigmoid_mul_fp8_per_token": lambda impl: kp.sigmoid_mul_fp8_per_token(
+                x.reshape(5, 96), g.reshape(5, 96), impl=impl)}
+    out = {}
+    for op, run in runs.items():
+        with testing.poisoned_outputs():  # an element left unwritten shows up as NaN
+            got = run("interpret")
+        ref = run("reference")
+        gs, rs = np.asarray(got.scale, np.float64), np.asarray(ref.scale, np.float64)
+        dec = lambda q: np.asarray(q.data.astype(jnp.float32), np.float64)  # noqa: E731
+        err = np.abs(dec(got) - dec(ref)) * rs.reshape(rs.shape + (1,) * (got.data.ndim - rs.ndim))
+        out[op] = (float(np.max(np.abs(gs / rs - 1))), float(np.max(err) / np.max(rs)))
+    return out
+
+
 def _time(case: str, calls: int) -> float:
     name, cfg, t = case.split(":")
     c = bench_ops.make_case(name, cfg, int(t), "bfloat16", "pallas")
@@ -109,28 +137,34 @@ def _time(case: str, calls: int) -> float:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__)
     p.add_argument("variants", help="comma-separated; '+' combines patches, e.g. base,store8")
-    p.add_argument("--cases", required=True, help="comma-separated OP:CONFIG:T")
+    p.add_argument("--cases", help="comma-separated OP:CONFIG:T")
+    p.add_argument("--check", action="store_true",
+                   help="each variant against the reference in interpret mode (CPU), no timing")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--out", default=os.path.join("bench", "out"))
     p.add_argument("--name", default="ab", help="the JSON file's name under --out")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    cases = args.cases.split(",")
+    if not args.check and not args.cases:
+        p.error("--cases is required (or --check)")
+    cases = [] if args.check else args.cases.split(",")
     if args.one:  # one variant, in this (fresh) process
         for patch in args.variants.split("+"):
             VARIANTS[patch]()
-        print(json.dumps({c: _time(c, args.calls) for c in cases}))
+        print(json.dumps(check() if args.check else {c: _time(c, args.calls) for c in cases}))
         return 0
     got = {}
     for variant in args.variants.split(","):
-        out = subprocess.run([sys.executable, "-m", "bench.ab", variant, "--one", "--cases",
-                              args.cases, "--calls", str(args.calls)],
+        mode = ["--check"] if args.check else ["--cases", args.cases, "--calls", str(args.calls)]
+        out = subprocess.run([sys.executable, "-m", "bench.ab", variant, "--one", *mode],
                              capture_output=True, text=True)
         if out.returncode:
             print(f"{variant}: failed\n{out.stderr[-3000:]}", file=sys.stderr, flush=True)
             continue
         got[variant] = json.loads(out.stdout.strip().splitlines()[-1])
         print(variant, json.dumps(got[variant]), flush=True)
+    if args.check:
+        return 0 if len(got) == len(args.variants.split(",")) else 1
     first = next(iter(got), None)
     for c in cases:
         if first is None:
