@@ -116,9 +116,11 @@ def test_lowered_module_is_one_call_without_slices(target, sizes):
     assert "k3pallas_mla_q_kv_norm" in text
     assert "stablehlo.slice" not in text and "dynamic_slice" not in text
     (launched,) = testing.triton_launches(text)
+    # The packed norm can put q and kv on two programs (splits=(2,)), as the kernel asks.
     cfg = launch.launch_config("mla_q_kv_norm", 4096, 2048 + 512 + (64 if rope else 0),
-                                 2048, platform.target_for(*target))
+                                 2048, platform.target_for(*target), splits=(2,))
     assert launched["num_warps"] == cfg.num_warps and launched["grid_x"] == -(-4096 // cfg.rows_per_program)
+    assert launched["grid_y"] == cfg.split
 
     def sliced(a, wq, wkv):
         return kp.fused_q_kv_rmsnorm(a[:, :dq], a[:, dq:dq + dkv], wq, wkv, impl="pallas")
