@@ -13,21 +13,35 @@ Variants (``base`` is the code as it is; the others patch it in the measuring pr
   loads their own 8 values (16 bytes) per thread instead of the 1-byte store's 16 (two 16-byte
   halves); tried and rejected (bench/NOTES.md);
 * ``recompute``: the gated FP8 kernel (mode "dynamic") reloads x and gate after the token's
-  scale and recomputes y for the codes, instead of keeping y live across the reduction.
+  scale and recomputes y for the codes, instead of keeping y live across the reduction;
+* ``persistentK``: every one-program-per-block row kernel as a persistent grid of ``K`` programs
+  per SM (``K x`` the target's cores, at most one per row block), each looping over row blocks
+  ``pid, pid + P, ...``: against the tail waves of mid-size T (a grid of ``T`` programs with
+  ~20 resident per SM runs 1.55 waves for 12 x 128 at T = 4096, bench/NOTES.md). The kernels
+  are unchanged: their row refs are offset by the block's first row and ``common.row_mask``
+  reads the loop's block index instead of ``pl.program_id(0)``. As such it keeps the token as
+  the unit of work, so it cannot remove a tail wave by itself;
+* ``prefetchK``: the gated FP8 kernel on such a persistent grid, loading the next row block's x
+  and gate before computing this one's, so that a program's second token overlaps its first.
+  Not yet measured (the persistent variants were written after this session's device time).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextvars
 import json
 import os
+import re
 import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from k3pallas import platform
+from k3pallas import _compat, platform
+from k3pallas._compat import pl
 from k3pallas.kernels import common, gated_fp8, quant as quant_lib
 
 from bench import ops as bench_ops
@@ -94,8 +108,170 @@ def _recompute():
     gated_fp8._gated_kernel = kernel
 
 
+_BLOCK = contextvars.ContextVar("bench_ab_block", default=None)
+
+
+class _RowRef:
+    """A row ref of a persistent launch: ``.at[index]`` offsets the row index by ``offset``."""
+
+    def __init__(self, ref, offset):
+        self.ref, self.offset, self.dtype, self.shape = ref, offset, ref.dtype, ref.shape
+
+    @property
+    def at(self):
+        outer = self
+
+        class _At:
+            def __getitem__(self, index):
+                if isinstance(index, tuple):
+                    return outer.ref.at[(index[0] + outer.offset,) + index[1:]]
+                return outer.ref.at[index + outer.offset]
+        return _At()
+
+
+def _whole(shape):
+    return pl.BlockSpec(tuple(shape), lambda *_, _n=len(shape): (0,) * _n)
+
+
+def _programs(n_blocks: int, per_sm: int) -> int:
+    return max(1, min(n_blocks, per_sm * platform.current_target().num_cores))
+
+
+def _persistent_launch(body, *, name, config, row_inputs, shared_inputs, out_shapes, out_poison,
+                       interpret, programs):
+    """ONE pallas_call of grid ``(programs,)`` with every array whole: ``body(*refs)`` (refs in
+    ``common.RowCall`` order: row inputs, shared inputs, outputs) loops over the row blocks
+    itself. Honors ``common.wrapping`` (poisoned outputs)."""
+    call = common.RowCall(body, list(row_inputs) + list(shared_inputs),
+                          [_whole(a.shape) for a in list(row_inputs) + list(shared_inputs)],
+                          list(out_shapes), _whole,
+                          list(out_poison or [float("nan")] * len(out_shapes)))
+    wrapper = common._WRAP.get()
+    if wrapper is not None:
+        call = wrapper(call)
+    return pl.pallas_call(
+        call.kernel, grid=(programs,), in_specs=call.in_specs,
+        out_specs=[_whole(o.shape) for o in call.out_shapes], out_shape=call.out_shapes,
+        input_output_aliases=call.aliases,
+        compiler_params=_compat.triton_compiler_params(config.num_warps, config.num_stages),
+        interpret=interpret, name=name)(*call.inputs)
+
+
+def _persistent(per_sm: int):
+    plain_call, plain_mask = common.row_call, common.row_mask
+
+    def row_mask(n_rows, rows, nd, pid=None):
+        block = _BLOCK.get()
+        return plain_mask(n_rows, rows, nd, pid if block is None else block)
+
+    def row_call(kernel, *, name, n_rows, config, row_inputs, shared_inputs, out_shapes,
+                 interpret, out_poison=None, programs_per_block=1):
+        if programs_per_block != 1 or config.split != 1:
+            return plain_call(kernel, name=name, n_rows=n_rows, config=config,
+                              row_inputs=row_inputs, shared_inputs=shared_inputs,
+                              out_shapes=out_shapes, interpret=interpret, out_poison=out_poison,
+                              programs_per_block=programs_per_block)
+        rows = config.rows_per_program
+        n_blocks = pl.cdiv(n_rows, rows)
+        programs = _programs(n_blocks, per_sm)
+        n_row, n_shared = len(row_inputs), len(shared_inputs)
+
+        def body(*refs):
+            pid = pl.program_id(0)
+
+            def step(i, carry):
+                block = pid + i * programs
+                token = _BLOCK.set(block)
+                try:
+                    kernel(*[r if n_row <= j < n_row + n_shared else _RowRef(r, block * rows)
+                             for j, r in enumerate(refs)])
+                finally:
+                    _BLOCK.reset(token)
+                return carry
+            lax.fori_loop(0, pl.cdiv(n_blocks, programs), step, 0)
+
+        return _persistent_launch(body, name=name, config=config, row_inputs=row_inputs,
+                                  shared_inputs=shared_inputs, out_shapes=out_shapes,
+                                  out_poison=out_poison, interpret=interpret, programs=programs)
+    common.row_call, common.row_mask = row_call, row_mask
+
+
+def _prefetch(per_sm: int):
+    """The gated FP8 kernel (mode "dynamic") on a persistent grid whose loop loads the next row
+    block's x and gate before it computes this one's (the loads carried into the next step)."""
+    plain = gated_fp8._fp8_call
+
+    def fp8_call(kernel_fn, op, row_inputs, shared_inputs, row_elems, *, quant, interpret,
+                 config, mode, scale, **static):
+        if kernel_fn is not gated_fp8._gated_kernel or mode != "dynamic":
+            return plain(kernel_fn, op, row_inputs, shared_inputs, row_elems, quant=quant,
+                         interpret=interpret, config=config, mode=mode, scale=scale, **static)
+        from k3pallas.kernels import launch
+
+        x_in, g_in = row_inputs
+        n_rows, heads, width = x_in.shape
+        eps, activation = static["eps"], static["activation"]
+        q = quant_lib.kernel_quant(quant, interpret=interpret)
+        if config is None:
+            config = launch.launch_config(op, n_rows, *row_elems)
+        rows = config.rows_per_program
+        n_blocks = pl.cdiv(n_rows, rows)
+        programs = _programs(n_blocks, per_sm)
+        outs, poison = quant_lib.outputs(x_in.shape, n_rows, q, mode, None)
+
+        def body(x_ref, g_ref, w_ref, codes_ref, scale_ref):
+            pid = pl.program_id(0)
+            d_index, d_lanes = common.lane_index(width)
+            r = jnp.arange(rows, dtype=jnp.int32)[:, None, None]
+            parts = []
+            for h0, hc in common.pow2_parts(heads):
+                h = h0 + jnp.arange(hc, dtype=jnp.int32)[None, :, None]
+                lanes = None if d_lanes is None else d_lanes[None, None, :]
+                parts.append(((r, h, d_index[None, None, :]),
+                              common.both(lanes, h < heads) if h0 + hc > heads else lanes))
+            w = common.load(w_ref, d_index, d_lanes).astype(jnp.float32)[None, None, :]
+
+            def masks(block):
+                in_rows = common.row_mask(n_rows, rows, 3, block)
+                return [common.both(in_rows, m) for _, m in parts]
+
+            def load_block(block):
+                off = block * rows
+                return tuple(common.load(_RowRef(ref, off), index, m)
+                             for (index, _), m in zip(parts, masks(block)) for ref in (x_ref, g_ref))
+
+            def step(i, tiles):
+                block = pid + i * programs
+                nxt = load_block(block + programs)  # masked past the last row
+                ys = []
+                for k, ((index, _), m) in enumerate(zip(parts, masks(block))):
+                    x = tiles[2 * k].astype(jnp.float32)
+                    ms = jnp.sum(x * x, axis=-1, keepdims=True) / width
+                    ys.append((index, m, x * common.inv_rms(ms, eps) * w * gated_fp8._activation(
+                        tiles[2 * k + 1].astype(jnp.float32), activation)))
+                off = block * rows
+                quant_lib.epilogue(ys, [_RowRef(codes_ref, off), _RowRef(scale_ref, off)], None,
+                                   n_rows=n_rows, rows=rows, quant=q, mode="dynamic", pid=block)
+                return nxt
+            lax.fori_loop(0, pl.cdiv(n_blocks, programs), step, load_block(pid))
+
+        result = _persistent_launch(body, name=f"k3pallas_{op}", config=config,
+                                    row_inputs=[x_in, g_in], shared_inputs=list(shared_inputs),
+                                    out_shapes=outs, out_poison=poison, interpret=interpret,
+                                    programs=programs)
+        return quant_lib.results(result, q, mode)
+    gated_fp8._fp8_call = fp8_call
+
+
 VARIANTS = {"base": lambda: None, "division": _division, "store8": _store8,
             "recompute": _recompute}
+
+
+def _apply(patch: str) -> None:
+    m = re.fullmatch(r"(persistent|prefetch)(\d+)", patch)
+    if m:
+        return (_persistent if m.group(1) == "persistent" else _prefetch)(int(m.group(2)))
+    VARIANTS[patch]()
 
 
 def check() -> dict:
@@ -111,9 +287,13 @@ def check() -> dict:
     k = jax.random.split(jax.random.PRNGKey(0), 3)
     x, g = (jax.random.normal(k[i], (5, 3, 32), jnp.bfloat16) * 2 for i in (0, 1))
     w = 1 + 0.1 * jax.random.normal(k[2], (32,), jnp.float32)
+    q, kv = x.reshape(5, 96)[:, :64], g.reshape(5, 96)[:, :16]
     runs = {"rmsnorm_gated_fp8_per_token": lambda impl: kp.rmsnorm_gated_fp8_per_token(x, w, g, impl=impl),
             "sigmoid_mul_fp8_per_token": lambda impl: kp.sigmoid_mul_fp8_per_token(
-                x.reshape(5, 96), g.reshape(5, 96), impl=impl)}
+                x.reshape(5, 96), g.reshape(5, 96), impl=impl),
+            "per_token_fp8_quant": lambda impl: kp.per_token_fp8_quant(x.reshape(5, 96), impl=impl),
+            "fused_q_kv_rmsnorm_fp8 (q)": lambda impl: kp.fused_q_kv_rmsnorm_fp8(
+                q, kv, w[:1] + jnp.zeros(64), w[:16], impl=impl)[0]}
     out = {}
     for op, run in runs.items():
         with testing.poisoned_outputs():  # an element left unwritten shows up as NaN
@@ -150,7 +330,7 @@ def main(argv=None):
     cases = [] if args.check else args.cases.split(",")
     if args.one:  # one variant, in this (fresh) process
         for patch in args.variants.split("+"):
-            VARIANTS[patch]()
+            _apply(patch)
         print(json.dumps(check() if args.check else {c: _time(c, args.calls) for c in cases}))
         return 0
     got = {}

@@ -116,11 +116,12 @@ def test_ab_variants_compute_the_op():
     """Every design variant `bench.ab` times computes the op: codes equal to the reference's
     (interpret mode, poisoned outputs), scales within float32 rounding. A variant that computed
     something else would make its A/B timing meaningless."""
-    out = subprocess.run([sys.executable, "-m", "bench.ab", "base,division,store8,recompute", "--check"],
+    variants = "base,division,store8,recompute,persistent1,prefetch1"
+    out = subprocess.run([sys.executable, "-m", "bench.ab", variants, "--check"],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
-    assert set(rows) == {"base", "division", "store8", "recompute"}
+    assert set(rows) == set(variants.split(","))
     for variant, text in rows.items():
         for op, (scale_err, code_err) in json.loads(text).items():
             assert scale_err < 1e-6 and code_err == 0.0, (variant, op, scale_err, code_err)
