@@ -343,8 +343,9 @@ def gemm_summary(pr) -> str:
     return "; ".join(parts) or "-"
 
 
-def run_xla(all_cases, programs, log, env_dir=None) -> tuple[list, list, dict]:
-    """Compile the cases and programs with XLA's ROCm backend, one worker process per arch."""
+def run_xla(all_cases, programs, log, env_dir=None, variant=None) -> tuple[list, list, dict]:
+    """Compile the cases and programs with XLA's ROCm backend, one worker process per arch
+    (``variant``: a ``bench.ab`` design variant's kernels instead of main's)."""
     from bench import rocm_env
 
     env = rocm_env.ensure(env_dir, log=log)
@@ -361,7 +362,7 @@ def run_xla(all_cases, programs, log, env_dir=None) -> tuple[list, list, dict]:
                      "K3PALLAS_XLA_DUMP": dump, "XLA_FLAGS": f"--xla_dump_to={dump}"}
             out = os.path.join(work, f"{arch}-out.json")
             procs.append((arch, out, subprocess.Popen(
-                [env["python"], "-m", "bench.rocm_xla", arch, path, out],
+                [env["python"], "-m", "bench.rocm_xla", arch, path, out] + ([variant] if variant else []),
                 env=rocm_env.worker_environ(env, extra), cwd=rocm_env._repo_root(),
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
         kernels, progs = [], []
@@ -423,6 +424,8 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join("bench", "out"))
     p.add_argument("--stem", default="rocm_check", help="output file names (<stem>.md / .json)")
     p.add_argument("--check", action="store_true", help="exit 1 on any gate failure")
+    p.add_argument("--variant", default=None,
+                   help="compile a bench.ab design variant's kernels instead of main's (xla only)")
     p.add_argument("--compile-manifest", default=None, help=argparse.SUPPRESS)  # triton part 2
     args = p.parse_args(argv)
     if args.compile_manifest:
@@ -438,12 +441,15 @@ def main(argv=None):
     tokens = [int(t) for t in args.tokens.split(",")]
     ops = args.ops.split(",") if args.ops else None
     all_cases = cases(tokens, ops) + ([BROKEN] if args.broken else [])
-    meta = {"jax": jax.__version__, "min_occupancy": MIN_OCCUPANCY, "compiler": args.compiler}
+    if args.variant and args.compiler != "xla":
+        p.error("--variant needs --compiler xla")
+    meta = {"jax": jax.__version__, "min_occupancy": MIN_OCCUPANCY, "compiler": args.compiler,
+            **({"variant": args.variant} if args.variant else {})}
     results, programs, other = [], [], None
     try:
         if args.compiler in ("xla", "both"):
             results, programs, m = run_xla(all_cases, [] if args.no_programs else PROGRAMS, log,
-                                           args.env_dir)
+                                           args.env_dir, args.variant)
             meta.update(m, compiler="XLA ROCm backend (jax-rocm7-plugin %s)" % m["jax_rocm"])
         if args.compiler in ("triton", "both"):
             tri, meta["triton"] = run_triton(tokens, ops, log, args.broken)

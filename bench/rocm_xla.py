@@ -225,9 +225,16 @@ def smoke():
     print("ok")
 
 
-def main(arch, cases_path, out_path):
+def main(arch, cases_path, out_path, variant=None):
+    """``variant``: a ``bench.ab`` design variant patched in before compiling (its kernels
+    instead of main's), or None."""
     from bench import rocm_check, rocm_env
 
+    if variant:
+        from bench import ab
+
+        for patch in variant.split("+"):
+            ab._apply(patch)
     env = rocm_env.load()
     comp = Compiler(arch, env)
     with open(cases_path) as fh:
@@ -249,4 +256,4 @@ def main(arch, cases_path, out_path):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -56,3 +56,16 @@ def test_native_fp8_conversion_instructions(gate):
                        (e["arch"], e["op"], e["config"]) == (r["arch"], r["op"], r["config"]))
             assert enc["fp8_cvt"] == [] and enc["instructions"] > r["instructions"]
     assert all(r.get("undecoded", 0) == 0 for r in results)
+
+
+def test_a_design_variant_compiles_its_own_kernels(tmp_path):
+    """``--variant``: the worker compiles a ``bench.ab`` variant's kernels (here a persistent grid
+    of 8 programs per CU), not main's (one program per row: grid 4096)."""
+    assert rocm_check.main(["--env-dir", os.path.dirname(ENV), "--tokens", "4096", "--ops",
+                            "per_token_fp8_quant", "--no-programs", "--variant", "persistent8",
+                            "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "rocm_check.json") as f:
+        data = json.load(f)
+    assert data["meta"]["variant"] == "persistent8"
+    for r in data["results"]:
+        assert r["grid"][0] == 8 * data["meta"]["devices"][r["arch"]]["core_count"], r
