@@ -79,26 +79,15 @@ def _recompute():
             return orig(x_ref, g_ref, *refs, n_rows=n_rows, rows=rows, heads=heads, width=width,
                         eps=eps, activation=activation, quant=quant, mode=mode)
         w_ref, codes_ref, scale_ref = refs
-        in_rows = common.row_mask(n_rows, rows, 3)
         d_index, d_lanes = common.lane_index(width)
-        r = jnp.arange(rows, dtype=jnp.int32)[:, None, None]
-        pieces = []
-        for h0, hc in common.pow2_parts(heads):
-            h = h0 + jnp.arange(hc, dtype=jnp.int32)[None, :, None]
-            mask = common.both(in_rows, None if d_lanes is None else d_lanes[None, None, :])
-            if h0 + hc > heads:
-                mask = common.both(mask, h < heads)
-            pieces.append(((r, h, d_index[None, None, :]), mask))
+        pieces = list(gated_fp8.head_pieces(common.row_mask(n_rows, rows, 3), rows, heads,
+                                            d_index, d_lanes))
         w = common.load(w_ref, d_index, d_lanes).astype(jnp.float32)[None, None, :]
 
         def ys():
-            out = []
-            for index, mask in pieces:
-                x = common.load(x_ref, index, mask).astype(jnp.float32)
-                g = common.load(g_ref, index, mask).astype(jnp.float32)
-                ms = jnp.sum(x * x, axis=-1, keepdims=True) / width
-                out.append(x * common.inv_rms(ms, eps) * w * gated_fp8._activation(g, activation))
-            return out
+            return [gated_fp8.gated_y(common.load(x_ref, index, mask), common.load(g_ref, index, mask),
+                                      w, width=width, eps=eps, activation=activation)
+                    for index, mask in pieces]
         scale = quant_lib.row_scale(ys(), quant)
         r_index = jnp.arange(rows, dtype=jnp.int32)
         common.store(scale_ref, r_index, scale, common.row_mask(n_rows, rows, 1))
@@ -222,33 +211,23 @@ def _prefetch(per_sm: int):
         def body(x_ref, g_ref, w_ref, codes_ref, scale_ref):
             pid = pl.program_id(0)
             d_index, d_lanes = common.lane_index(width)
-            r = jnp.arange(rows, dtype=jnp.int32)[:, None, None]
-            parts = []
-            for h0, hc in common.pow2_parts(heads):
-                h = h0 + jnp.arange(hc, dtype=jnp.int32)[None, :, None]
-                lanes = None if d_lanes is None else d_lanes[None, None, :]
-                parts.append(((r, h, d_index[None, None, :]),
-                              common.both(lanes, h < heads) if h0 + hc > heads else lanes))
             w = common.load(w_ref, d_index, d_lanes).astype(jnp.float32)[None, None, :]
 
-            def masks(block):
-                in_rows = common.row_mask(n_rows, rows, 3, block)
-                return [common.both(in_rows, m) for _, m in parts]
+            def pieces(block):  # block-relative indices, masks of this block's rows
+                return list(gated_fp8.head_pieces(common.row_mask(n_rows, rows, 3, block), rows,
+                                                  heads, d_index, d_lanes))
 
             def load_block(block):
                 off = block * rows
-                return tuple(common.load(_RowRef(ref, off), index, m)
-                             for (index, _), m in zip(parts, masks(block)) for ref in (x_ref, g_ref))
+                return tuple(common.load(_RowRef(ref, off), index, mask)
+                             for index, mask in pieces(block) for ref in (x_ref, g_ref))
 
             def step(i, tiles):
                 block = pid + i * programs
                 nxt = load_block(block + programs)  # masked past the last row
-                ys = []
-                for k, ((index, _), m) in enumerate(zip(parts, masks(block))):
-                    x = tiles[2 * k].astype(jnp.float32)
-                    ms = jnp.sum(x * x, axis=-1, keepdims=True) / width
-                    ys.append((index, m, x * common.inv_rms(ms, eps) * w * gated_fp8._activation(
-                        tiles[2 * k + 1].astype(jnp.float32), activation)))
+                ys = [(index, mask, gated_fp8.gated_y(tiles[2 * k], tiles[2 * k + 1], w, width=width,
+                                                      eps=eps, activation=activation))
+                      for k, (index, mask) in enumerate(pieces(block))]
                 off = block * rows
                 quant_lib.epilogue(ys, [_RowRef(codes_ref, off), _RowRef(scale_ref, off)], None,
                                    n_rows=n_rows, rows=rows, quant=q, mode="dynamic", pid=block)
@@ -309,8 +288,7 @@ def check() -> dict:
 def _time(case: str, calls: int) -> float:
     name, cfg, t = case.split(":")
     c = bench_ops.make_case(name, cfg, int(t), "bfloat16", "pallas")
-    n_sets = bench_ops.rotation_sets(c.input_bytes, bench_ops.cache_bytes(platform.current_target()))
-    sets = [c.make_inputs(s) for s in range(n_sets)]
+    sets = bench_ops.input_sets(c, platform.current_target())
     return timing.time_device(c.variants["k3pallas"], sets, n_calls=calls).median_us
 
 

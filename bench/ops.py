@@ -158,3 +158,8 @@ def rotation_sets(input_bytes: int, cache_bytes: int, max_sets: int = 32) -> int
     """How many input sets to cycle so that each call misses the last-level cache."""
     return int(min(max_sets, max(1, math.ceil(3 * cache_bytes / max(1, input_bytes)))))
 
+
+def input_sets(case: Case, target: platform.Target) -> list[tuple]:
+    """The case's input sets to cycle through on a GPU (``rotation_sets`` of them)."""
+    return [case.make_inputs(s) for s in range(rotation_sets(case.input_bytes, cache_bytes(target)))]
+

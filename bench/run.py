@@ -63,8 +63,8 @@ def environment(target) -> dict:
 
 
 def measure(case: bench_ops.Case, gpu: bool, calls: int, target) -> list[dict]:
-    n_sets = bench_ops.rotation_sets(case.input_bytes, bench_ops.cache_bytes(target)) if gpu else 1
-    sets = [case.make_inputs(s) for s in range(n_sets)]
+    sets = bench_ops.input_sets(case, target) if gpu else [case.make_inputs(0)]
+    n_sets = len(sets)
     clock = timing.time_device if gpu else timing.time_wall
     rows = []
     for name, fn in case.variants.items():

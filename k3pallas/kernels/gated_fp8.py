@@ -59,26 +59,37 @@ def _activation(g, name: str):
     return sig if name == "sigmoid" else g * sig
 
 
-def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activation, quant, mode):
-    s_ref, w_ref, *out_refs = refs if mode == "given_scale" else (None, *refs)
-    in_rows = common.row_mask(n_rows, rows, 3)
-    d_index, d_lanes = common.lane_index(width)
+def head_pieces(in_rows, rows, heads, d_index, d_lanes):
+    """Yields ``(index, mask)`` of a gated row block's ``[R, h, D]`` tiles, one per power-of-two
+    piece of the head axis (``in_rows``: ``common.row_mask`` of the block; ``d_index, d_lanes``:
+    ``common.lane_index`` of D). A generator, so that a kernel's loads interleave with it."""
     r = jnp.arange(rows, dtype=jnp.int32)[:, None, None]
     d = d_index[None, None, :]
-    loaded = []
     for h0, hc in common.pow2_parts(heads):
         h = h0 + jnp.arange(hc, dtype=jnp.int32)[None, :, None]
         mask = common.both(in_rows, None if d_lanes is None else d_lanes[None, None, :])
         if h0 + hc > heads:  # the padded last piece
             mask = common.both(mask, h < heads)
-        index = (r, h, d)
-        loaded.append((index, mask, common.load(x_ref, index, mask), common.load(g_ref, index, mask)))
+        yield (r, h, d), mask
+
+
+def gated_y(x, g, w, *, width, eps, activation):
+    """``rmsnorm(x) * w * act(g)`` of a loaded ``[R, h, D]`` tile pair, in float32 (``w``:
+    float32 ``[1, 1, D]``)."""
+    x = x.astype(jnp.float32)
+    ms = jnp.sum(x * x, axis=-1, keepdims=True) / width
+    return x * common.inv_rms(ms, eps) * w * _activation(g.astype(jnp.float32), activation)
+
+
+def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activation, quant, mode):
+    s_ref, w_ref, *out_refs = refs if mode == "given_scale" else (None, *refs)
+    in_rows = common.row_mask(n_rows, rows, 3)
+    d_index, d_lanes = common.lane_index(width)
+    loaded = [(index, mask, common.load(x_ref, index, mask), common.load(g_ref, index, mask))
+              for index, mask in head_pieces(in_rows, rows, heads, d_index, d_lanes)]
     w = common.load(w_ref, d_index, d_lanes).astype(jnp.float32)[None, None, :]
-    ys = []
-    for index, mask, x, g in loaded:
-        x = x.astype(jnp.float32)
-        ms = jnp.sum(x * x, axis=-1, keepdims=True) / width
-        ys.append((index, mask, x * common.inv_rms(ms, eps) * w * _activation(g.astype(jnp.float32), activation)))
+    ys = [(index, mask, gated_y(x, g, w, width=width, eps=eps, activation=activation))
+          for index, mask, x, g in loaded]
     if quant is None:
         (o_ref,) = out_refs
         for index, mask, y in ys:
