@@ -20,10 +20,16 @@ Variants (``base`` is the code as it is; the others patch it in the measuring pr
   ~20 resident per SM runs 1.55 waves for 12 x 128 at T = 4096, bench/NOTES.md). The kernels
   are unchanged: their row refs are offset by the block's first row and ``common.row_mask``
   reads the loop's block index instead of ``pl.program_id(0)``. As such it keeps the token as
-  the unit of work, so it cannot remove a tail wave by itself;
+  the unit of work, so it cannot remove a tail wave by itself. Measured 7-35 % slower at
+  T >= 4096, 4-8 % faster at T = 7..64 for 96 x 128 (``results/ab_persistent_prefetch.json``);
 * ``prefetchK``: the gated FP8 kernel on such a persistent grid, loading the next row block's x
   and gate before computing this one's, so that a program's second token overlaps its first.
-  Not yet measured (the persistent variants were written after this session's device time).
+  Measured slower at every T >= 4096 for every K (0.5-540 %; same file);
+* ``whole``: the launch of ``persistentK`` without its loop: one program per row block as on
+  main, but every array whole and the block's rows addressed as offsets from
+  ``pl.program_id(0)`` in the kernel instead of through the row BlockSpecs. It tells the loop's
+  effect from the addressing's (bench/NOTES.md: at T <= 64 the persistent form ran faster with
+  the same instruction count, a different load schedule).
 """
 
 from __future__ import annotations
@@ -165,6 +171,9 @@ def _persistent(per_sm: int):
         programs = _programs(n_blocks, per_sm)
         n_row, n_shared = len(row_inputs), len(shared_inputs)
 
+        if per_sm == 0:  # variant "whole": one program per block, no loop
+            programs = n_blocks
+
         def body(*refs):
             pid = pl.program_id(0)
 
@@ -177,7 +186,10 @@ def _persistent(per_sm: int):
                 finally:
                     _BLOCK.reset(token)
                 return carry
-            lax.fori_loop(0, pl.cdiv(n_blocks, programs), step, 0)
+            if per_sm == 0:
+                step(0, 0)
+            else:
+                lax.fori_loop(0, pl.cdiv(n_blocks, programs), step, 0)
 
         return _persistent_launch(body, name=name, config=config, row_inputs=row_inputs,
                                   shared_inputs=shared_inputs, out_shapes=out_shapes,
@@ -243,7 +255,7 @@ def _prefetch(per_sm: int):
 
 
 VARIANTS = {"base": lambda: None, "division": _division, "store8": _store8,
-            "recompute": _recompute}
+            "recompute": _recompute, "whole": lambda: _persistent(0)}
 
 
 def _apply(patch: str) -> None:

@@ -116,7 +116,7 @@ def test_ab_variants_compute_the_op():
     """Every design variant `bench.ab` times computes the op: codes equal to the reference's
     (interpret mode, poisoned outputs), scales within float32 rounding. A variant that computed
     something else would make its A/B timing meaningless."""
-    variants = "base,division,store8,recompute,persistent1,prefetch1"
+    variants = "base,division,store8,recompute,persistent1,prefetch1,whole"
     out = subprocess.run([sys.executable, "-m", "bench.ab", variants, "--check"],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
