@@ -28,8 +28,9 @@ Variants (``base`` is the code as it is; the others patch it in the measuring pr
 * ``whole``: the launch of ``persistentK`` without its loop: one program per row block as on
   main, but every array whole and the block's rows addressed as offsets from
   ``pl.program_id(0)`` in the kernel instead of through the row BlockSpecs. It tells the loop's
-  effect from the addressing's (bench/NOTES.md: at T <= 64 the persistent form ran faster with
-  the same instruction count, a different load schedule).
+  effect from the addressing's: at T = 7..64 the persistent form ran 4-8 % faster for 96 x 128
+  (same instructions, another load schedule; bench/NOTES.md), ``whole`` measured equal to main,
+  so the one-trip loop is what changes XLA's schedule (``results/ab_loop_smallT.json``).
 """
 
 from __future__ import annotations
