@@ -4,6 +4,7 @@
 #   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded] [ab] [ncu]
 # ab: AB_ARGS="base,store16 --cases OP:CONFIG:T,..." (bench.ab); ncu: NCU_CASES="OP:CONFIG:T ..."
 # (Nsight Compute on each case's first kernel launch, bench.profile_cases; all into ncu.txt).
+# tests: ~300 s on the H200 (126 GPU tests), so it and bench (~300 s) need two calls of 600 s.
 # The GPU machine's copy of .git can be older than the tree sent: pass the commit measured, e.g.
 #   K3PALLAS_GIT_COMMIT=<git rev-parse --short HEAD, here> (bench/run.py records it).
 set -uo pipefail
@@ -17,7 +18,7 @@ AB_ARGS=${AB_ARGS:-}
 for step in $steps; do
   start=$(date +%s)
   case $step in
-    tests) timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -m gpu tests -q -p no:cacheprovider -x -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu tests -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     trace) timeout 60 python3 -m bench.trace_dump "$OUT/trace_sample.json" 2>&1 | tail -8 ;;
     bench) timeout ${BENCH_TIMEOUT:-300} python3 -m bench --out "$OUT" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" | grep -v '^\[' | tail -60 ;;
     tune) timeout ${TUNE_TIMEOUT:-240} python3 -m bench.tune --out "$OUT" $TUNE_ARGS 2>"$OUT/tune.log" | tail -40 ;;
