@@ -2,7 +2,7 @@
 # One GPU-machine session: GPU tests, a trace sample, the benchmark and the launch-config sweep,
 # all written under $OUT (the device tool brings that folder back). Usage, on the GPU machine:
 #   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded] [ab] [ncu]
-# ab: AB_ARGS="base,store16 --cases OP:CONFIG:T,..." (bench.ab); ncu: NCU_CASES="OP:CONFIG:T ..."
+# ab: AB_ARGS="base,division --cases OP:CONFIG:T,..." (bench.ab); ncu: NCU_CASES="OP:CONFIG:T ..."
 # (Nsight Compute on each case's first kernel launch, bench.profile_cases; all into ncu.txt).
 # tests: ~300 s on the H200 (126 GPU tests), so it and bench (~300 s) need two calls of 600 s.
 # The GPU machine's copy of .git can be older than the tree sent: pass the commit measured, e.g.
