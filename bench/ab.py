@@ -169,11 +169,9 @@ def _persistent(per_sm: int):
                               programs_per_block=programs_per_block)
         rows = config.rows_per_program
         n_blocks = pl.cdiv(n_rows, rows)
-        programs = _programs(n_blocks, per_sm)
+        # per_sm == 0 is the variant "whole": one program per block, no loop.
+        programs = n_blocks if per_sm == 0 else _programs(n_blocks, per_sm)
         n_row, n_shared = len(row_inputs), len(shared_inputs)
-
-        if per_sm == 0:  # variant "whole": one program per block, no loop
-            programs = n_blocks
 
         def body(*refs):
             pid = pl.program_id(0)
