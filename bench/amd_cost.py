@@ -2,24 +2,27 @@
 
 No AMD GPU was reachable for this project, so this is a model built from what the ROCm compile
 gate (``python -m bench.rocm_check``, XLA's ROCm compiler) reports for each FP8 kernel, token count
-and FP8 conversion path (integer encoder or native conversion), and two published figures. For
-each kernel it compares two lower bounds and takes the larger:
+and FP8 conversion path (integer encoder or native conversion), and published figures. Per kernel:
+
+  predicted = launch floor + max(memory time, VALU throughput time, serial time)
 
 * memory time = bytes moved / achievable bandwidth: MI300X ~4.2 TB/s of 5.3 peak, MI355X ~6.9 TB/s
-  of 8 (measured figures from public threads, ``../shared/FIELD_NOTES.md``); bytes: x and gate read
-  in bf16, codes written (1 byte) and the float32 scale, the weight;
-* VALU issue time = (programs x wavefronts per program x VALU instructions per wavefront) /
-  (CUs x clock): a CDNA3/4 CU issues one wave64 vector instruction per clock over its four SIMDs
-  (each SIMD16 takes four clocks per wave64 instruction). The instruction count is the static count
-  of the compiled kernel, which is the dynamic one: the row kernels are straight-line code (no
-  loops). CUs and clock from XLA's own target config (MI300X: 304 CUs, 2.1 GHz; MI350X: 256 CUs,
-  2.2 GHz; an MI355X clocks 2.4 GHz, ~8 % less VALU time than shown).
+  of 8 (measured figures from public threads, ``../shared/FIELD_NOTES.md``);
+* VALU throughput time, with wave quantization: the busiest CU holds ``ceil(waves / CUs)``
+  wavefronts and issues one wave64 vector instruction per clock over its four SIMD16s; a
+  transcendental (exp, log, rcp, rsq, sqrt) issues at quarter rate (4 clocks of the CU);
+* serial time: one wavefront's own chain, which no parallelism hides: each VALU instruction
+  takes 4 clocks on its SIMD16 (16 for a transcendental), plus two dependent HBM round trips
+  (load, then store: ``HBM_LATENCY_US`` each); repeated for each round of wavefronts when a CU
+  cannot hold all of its wavefronts at once (occupancy);
+* launch floor: ``LAUNCH_FLOOR_US``, an ASSUMPTION (no AMD device here to measure an empty
+  kernel); the one measured anchor is the seed's fused KDA epilogue at 4.2 us per layer in decode
+  on MI355X (vLLM PR 54254), which the model's decode rows can be held against.
 
-It assumes memory and VALU work overlap perfectly and ignores the launch latency (which dominates
-below a few hundred tokens), scalar and memory-instruction issue, and LDS; the real time is higher.
-What it does tell is which bound each path meets: where the encoder's VALU time exceeds the memory
-time, the native conversion is worth that difference. ``bench/NOTES.md`` has the method and how
-the model compares with the H200 (where both paths were measured).
+The instruction counts are the static counts of the compiled kernels, which are the dynamic
+ones (the row kernels are straight-line code). CUs and clock from XLA's own target configs
+(MI300X 304 CUs, 2.1 GHz; MI350X 256 CUs, 2.2 GHz; an MI355X clocks 2.4 GHz). Scalar and memory
+instruction issue, LDS and imperfect overlap are not modelled: real times are higher.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ from k3pallas import ops
 from bench.report import write_report
 
 ACHIEVABLE_BW = {"gfx942": 4.2e12, "gfx950": 6.9e12}  # bytes/s, read + write
+LAUNCH_FLOOR_US = 2.0  # ASSUMED: an empty kernel's device time on MI300X / MI355X
+HBM_LATENCY_US = 0.8  # ASSUMED: one dependent HBM access (pointer-chase figures, ~0.7-1 us)
+SIMDS_PER_CU = 4
 PARTS = {"gfx942": "MI300X", "gfx950": "MI355X (MI350X config)"}
 FP8_OPS = tuple(name for name, op in ops.OPS.items() if op.fp8)
 
@@ -42,12 +48,23 @@ def bytes_moved(op: str, config: str, tokens: int) -> int:
 
 
 def estimate(r: dict, device: dict) -> dict:
-    """Memory and VALU-issue times (us) of one gate result ``r`` on ``device``."""
-    waves = r["grid"][0] * r["num_warps"]
-    valu_us = waves * r["valu"] / (device["core_count"] * device["clock_rate_ghz"] * 1e9) * 1e6
+    """The model's times (us) of one gate result ``r`` on ``device`` (see the module doc)."""
+    clock = device["clock_rate_ghz"] * 1e3  # clocks per us
+    cus = device["core_count"]
+    programs = r["grid"][0] * (r["grid"][1] if len(r["grid"]) > 1 else 1)
+    waves = programs * r["num_warps"]
+    trans = r.get("trans", 0)
+    per_cu = -(-waves // cus)  # wave quantization: the busiest CU
+    valu_us = per_cu * (r["valu"] + 3 * trans) / clock
+    resident = max(1, (r.get("occupancy") or 1) * SIMDS_PER_CU)  # waves a CU holds at once
+    rounds = -(-per_cu // resident)
+    serial_us = rounds * ((4 * r["valu"] + 12 * trans) / clock + 2 * HBM_LATENCY_US)
     mem_us = bytes_moved(r["op"], r["config"], r["tokens"]) / ACHIEVABLE_BW[r["arch"]] * 1e6
-    return {"memory_us": mem_us, "valu_us": valu_us, "predicted_us": max(mem_us, valu_us),
-            "bound": "VALU" if valu_us > mem_us else "memory"}
+    bounds = {"memory": mem_us, "VALU": valu_us, "serial": serial_us}
+    bound = max(bounds, key=bounds.get)
+    return {"memory_us": mem_us, "valu_us": valu_us, "serial_us": serial_us,
+            "launch_us": LAUNCH_FLOOR_US, "predicted_us": LAUNCH_FLOOR_US + bounds[bound],
+            "bound": bound}
 
 
 def table(gate: dict) -> list[dict]:
@@ -60,7 +77,7 @@ def table(gate: dict) -> list[dict]:
     for (arch, op, config, t), paths in sorted(by_key.items()):
         row = {"arch": arch, "op": op, "config": config, "tokens": t}
         for cast, r in paths.items():
-            row[cast] = {**estimate(r, devices[arch]), "valu": r["valu"],
+            row[cast] = {**estimate(r, devices[arch]), "valu": r["valu"], "trans": r.get("trans"),
                          "instructions": r["instructions"], "vgpr": r["vgpr"],
                          "occupancy": r["occupancy"], "fp8_cvt_count": r.get("fp8_cvt_count", 0)}
         rows.append(row)
@@ -70,28 +87,32 @@ def table(gate: dict) -> list[dict]:
 def markdown(rows, gate) -> str:
     devices = gate["meta"]["devices"]
     out = ["# ESTIMATE: FP8 kernels on MI300X / MI355X, integer encoder vs native conversion", "",
-           "Not measured (no AMD GPU was reachable): a bound model from the instruction counts that "
+           "Not measured (no AMD GPU was reachable): a model from the instruction counts that "
            "XLA's ROCm compiler gives (`python -m bench.rocm_check`, "
-           f"{gate['meta'].get('compiler')}) and achievable bandwidths. Method and limits: "
-           "`bench/amd_cost.py`, `bench/NOTES.md`. Times in us per call; `mem`: bytes / "
-           "achievable bandwidth; `VALU`: vector-instruction issue time; predicted = the larger. "
-           "Below ~512 tokens launch latency (not modelled) dominates.", ""]
+           f"{gate['meta'].get('compiler')}), achievable bandwidths and two ASSUMED constants "
+           f"(launch floor {LAUNCH_FLOOR_US} us, HBM latency {HBM_LATENCY_US} us). Method and "
+           "limits: `bench/amd_cost.py`. Times in us per call: predicted = launch floor + the "
+           "largest of `mem` (bytes / bandwidth), `VALU` (issue time of the busiest CU, "
+           "transcendentals at quarter rate) and `serial` (one wavefront's chain and two HBM "
+           "round trips, per round of resident wavefronts). The one measured AMD anchor: the "
+           "seed's fused KDA epilogue, 4.2 us per layer in decode on MI355X.", ""]
     for arch in sorted({r["arch"] for r in rows}):
         d = devices[arch]
         out += [f"## {arch}: {PARTS.get(arch, arch)}, {d['core_count']} CUs, {d['clock_rate_ghz']} GHz, "
                 f"{ACHIEVABLE_BW[arch] / 1e12:.1f} TB/s achievable", "",
-                "| op | config | T | mem us | encoder VALU us | encoder predicted (bound) | native VALU us "
-                "| native predicted (bound) | encoder / native | VALU instr enc / nat | occupancy enc / nat |",
+                "| op | config | T | mem | encoder VALU / serial | encoder predicted (bound) | "
+                "native VALU / serial | native predicted (bound) | encoder / native | "
+                "VALU instr enc / nat (transc.) | occupancy enc / nat |",
                 "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if r["arch"] != arch or "encoder" not in r or "native" not in r:
                 continue
             e, n = r["encoder"], r["native"]
             out.append(f"| {r['op']} | {r['config']} | {r['tokens']} | {e['memory_us']:.1f} | "
-                       f"{e['valu_us']:.1f} | {e['predicted_us']:.1f} ({e['bound']}) | "
-                       f"{n['valu_us']:.1f} | {n['predicted_us']:.1f} ({n['bound']}) | "
-                       f"{e['predicted_us'] / n['predicted_us']:.2f} | {e['valu']} / {n['valu']} | "
-                       f"{e['occupancy']} / {n['occupancy']} |")
+                       f"{e['valu_us']:.1f} / {e['serial_us']:.1f} | {e['predicted_us']:.1f} ({e['bound']}) | "
+                       f"{n['valu_us']:.1f} / {n['serial_us']:.1f} | {n['predicted_us']:.1f} ({n['bound']}) | "
+                       f"{e['predicted_us'] / n['predicted_us']:.2f} | {e['valu']} / {n['valu']} "
+                       f"({e.get('trans')}) | {e['occupancy']} / {n['occupancy']} |")
         out.append("")
     return "\n".join(out)
 
@@ -112,7 +133,9 @@ def main(argv=None) -> int:
     rows = table(gate)
     md = markdown(rows, gate)
     write_report(args.out, "amd_cost_model", md, {"gate_meta": gate["meta"], "rows": rows,
-                                                  "achievable_bw": ACHIEVABLE_BW})
+                                                  "achievable_bw": ACHIEVABLE_BW,
+                                                  "launch_floor_us": LAUNCH_FLOOR_US,
+                                                  "hbm_latency_us": HBM_LATENCY_US})
     print(md)
     return 0
 

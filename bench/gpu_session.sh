@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# The developers' NVIDIA session helper (H200 timeouts, nvidia-smi, ncu). A GPU owner's one
+# command, AMD or NVIDIA, is `python -m bench.device_report` (install, versions, self-check, GPU
+# tests, headline benchmark, one archive).
 # One GPU-machine session: GPU tests, a trace sample, the benchmark and the launch-config sweep,
 # all written under $OUT (the device tool brings that folder back). Usage, on the GPU machine:
 #   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded] [ab] [ncu]
@@ -29,10 +32,10 @@ for step in $steps; do
            op=${c#copy:}; op=${op%%:*}; k="regex:k3pallas_${op}\$"; [[ $c == copy:* ]] && k="regex:xor"
            echo "=== $c" >>"$OUT/ncu.txt"
            # No preallocation: ncu saves and restores the process's device memory for each replay pass.
-           XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${NCU_TIMEOUT:-90} ncu -k "$k" --launch-count 1 --section SpeedOfLight \
+           XLA_PYTHON_CLIENT_PREALLOCATE=false timeout --kill-after=10 ${NCU_TIMEOUT:-90} ncu -k "$k" --launch-count 1 --section SpeedOfLight \
              --section MemoryWorkloadAnalysis --section WarpStateStats --section InstructionStats \
              --section LaunchStats --section Occupancy python3 -m bench.profile_cases "$c" >>"$OUT/ncu.txt" 2>&1
-           echo "ncu $c: rc $?"; pkill -9 -f bench.profile_cases; sleep 1
+           echo "ncu $c: rc $?"
          done ;;
     sharded) timeout ${SHARDED_TIMEOUT:-300} python3 -m bench.sharded --out "$OUT" 2>"$OUT/sharded.log" | tail -30 ;;
   esac

@@ -31,7 +31,7 @@ def registers(case: str) -> list[tuple[str, int, int]]:
     # The ROCm gate's case builder: bf16 arguments; FP8 with the native cast (what the H200 runs).
     fn, args = rocm_check.case_fn({"op": name, "config": cfg, "tokens": int(t),
                                    **({"fp8_cast": "native"} if ops.OPS[name].fp8 else {})})
-    lowered = testing.lower_for(fn, args, "NVIDIA H200", "cuda")
+    lowered = testing.lower_for(fn, args, *testing.KNOWN_TARGETS["h200"])
     out = []
     for mod in testing.triton_ir_modules(lowered):
         with tempfile.TemporaryDirectory() as d:

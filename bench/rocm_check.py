@@ -101,26 +101,118 @@ def case_fn(case):
     return fn, list(args)
 
 
-def program_fn(name, tokens, target):
-    """(function, ShapeDtypeStructs) of a Kimi-K3 block, weights as arguments (shapes only)."""
+def program_fn(name, tokens, mesh):
+    """(function, ShapeDtypeStructs) of a Kimi-K3 block, weights as arguments (shapes only), in
+    the FP8 format of ``mesh``'s devices (the worker's topology)."""
     import jax
     import jax.numpy as jnp
 
-    from k3pallas import platform
     from k3pallas.models import kimi_k3
 
-    key = jax.random.PRNGKey(0)
+    key = jax.random.PRNGKey(0)  # eagerly, on the host: the topology's devices cannot run it
     bf16 = jnp.bfloat16
-    with platform.compiling_for(target):  # the target's FP8 weight format
-        if name == "mla_front":
-            cfg = kimi_k3.KIMI_K3
+    if name == "mla_front":
+        cfg = kimi_k3.KIMI_K3
+        with jax.set_mesh(mesh):
             params = jax.eval_shape(lambda: kimi_k3.init_mla_front(key, cfg))
-            return (lambda p, x: kimi_k3.mla_front(p, x, cfg=cfg, impl="pallas"),
-                    [params, jax.ShapeDtypeStruct((tokens, cfg.hidden), bf16)])
-        cfg = kimi_k3.KIMI_K3 if name == "kda_out_fp8" else kimi_k3.KIMI_K3_TP8
+        return (lambda p, x: kimi_k3.mla_front(p, x, cfg=cfg, impl="pallas"),
+                [params, jax.ShapeDtypeStruct((tokens, cfg.hidden), bf16)])
+    cfg = kimi_k3.KIMI_K3 if name == "kda_out_fp8" else kimi_k3.KIMI_K3_TP8
+    with jax.set_mesh(mesh):
         params = jax.eval_shape(lambda: kimi_k3.init_kda_out(key, cfg))
     hd = jax.ShapeDtypeStruct((tokens, cfg.kda_heads, cfg.kda_head_dim), bf16)
     return (lambda p, o, g: kimi_k3.kda_out_fp8(p, o, g, cfg=cfg, impl="pallas"), [params, hd, hd])
+
+
+# ------------------------------------------------------------------------------------------------
+# Sharded programs: an 8-GPU topology, as a TP8 serving stack calls the ops
+# ------------------------------------------------------------------------------------------------
+
+TP = 8
+SHARDED_TOKENS = (8, 512)  # 1 and 64 tokens per device
+SHARDINGS = ("shard_map", "named")
+# The config each op is sharded at (its head / column axis divisible by 8), default its headline.
+SHARDED_CONFIG = {"rmsnorm_gated": "kimi-linear-kda", "rmsnorm_gated_fp8_per_token": "kimi-k3-kda",
+                  "sigmoid_mul_fp8_per_token": "kimi-k3-mla-out"}
+# Ops whose axis 1 (heads of [T, H, D]; columns of [T, N]) the "named" case shards, besides the
+# tokens; the others (norms over their last axis) shard the tokens.
+HEAD_SHARDED = ("rmsnorm_gated", "rmsnorm_gated_fp8_per_token", "per_token_fp8_quant",
+                "sigmoid_mul_fp8_per_token")
+SHARDED_PROGRAMS = ("kda_out_fp8_tp8_named", "mla_out_fp8_tp8_shard_map")
+SHARDED_PROGRAM_TOKENS = (64, 4096)
+
+
+def sharded_cases(ops=None) -> list[dict]:
+    """Each op under ``shard_map`` (tokens over 8 devices) and under ``jax.jit`` with
+    ``NamedSharding`` (heads / columns where the op has them, else tokens), FP8 with the native
+    conversion; then the Kimi-K3 output blocks at TP8."""
+    from k3pallas import ops as op_table
+
+    out = []
+    for name, op in op_table.OPS.items():
+        if ops and name not in ops:
+            continue
+        for mode in SHARDINGS:
+            for t in SHARDED_TOKENS:
+                out.append({"sharded": mode, "op": name, "config": SHARDED_CONFIG.get(name, op.configs[0]),
+                            "tokens": t, **({"fp8_cast": "native"} if op.fp8 else {})})
+    if not ops:
+        out += [{"sharded": p.rsplit("_tp8_", 1)[1], "op": p, "config": "kimi-k3 TP8", "tokens": t,
+                 "fp8_cast": "native"} for p in SHARDED_PROGRAMS for t in SHARDED_PROGRAM_TOKENS]
+    return out
+
+
+def sharded_fn(case, mesh):
+    """(function, ShapeDtypeStructs with their NamedShardings on ``mesh``) of a sharded case."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from k3pallas import ops as op_table
+    from k3pallas.models import kimi_k3
+
+    def on(a, spec):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
+
+    cast = "native_unchecked"  # ahead of time: no device to run the self-check on
+    t, bf16 = case["tokens"], jnp.bfloat16
+    if case["op"] in SHARDED_PROGRAMS:
+        cfg = kimi_k3.KIMI_K3
+        key = jax.random.PRNGKey(0)
+        with jax.set_mesh(mesh):  # the weights' FP8 format: the topology's
+            if case["op"].startswith("kda"):
+                p = jax.eval_shape(lambda: kimi_k3.init_kda_out(key, cfg))
+            else:
+                p = jax.eval_shape(lambda: kimi_k3.init_mla_out(key, cfg))
+        specs = {"w_o": P("x", None), "w_o_fp8": P(None, "x")}  # row-parallel o_proj (K split)
+        params = {k: on(v, specs.get(k, P())) for k, v in p.items()}
+        if case["op"].startswith("kda"):  # jit with NamedSharding: heads over the 8 devices
+            hd = on(jax.ShapeDtypeStruct((t, cfg.kda_heads, cfg.kda_head_dim), bf16), P(None, "x", None))
+            return (lambda p, o, g: kimi_k3.kda_out_fp8(p, o, g, cfg=cfg, impl="pallas", fp8_cast=cast),
+                    [params, hd, hd])
+        # shard_map: each rank its 12 heads' columns, its o_proj slice, then the all-reduce.
+        cols = on(jax.ShapeDtypeStruct((t, cfg.kda_heads * cfg.kda_head_dim), bf16), P(None, "x"))
+
+        def rank(p, a, g):
+            out = kimi_k3.mla_out_fp8(p, a, g, impl="pallas", fp8_cast=cast)
+            return jax.lax.psum(out.astype(jnp.float32), "x").astype(bf16)
+
+        fn = jax.shard_map(rank, mesh=mesh, in_specs=({k: specs.get(k, P()) for k in p}, P(None, "x"),
+                                                       P(None, "x")), out_specs=P())
+        return fn, [params, cols, cols]
+
+    spec = op_table.OPS[case["op"]]
+    structs, options = spec.example(t, jnp.dtype(bf16), **spec.sizes[case["config"]])
+    if case.get("fp8_cast"):
+        options = {**options, "fp8_cast": cast}
+    rows = [tensor[0] == "..." for tensor in spec.rule(options, structs).sides()[0]]
+    call = lambda *a: spec.fn(*a, impl="pallas", **options)  # noqa: E731
+    if case["sharded"] == "shard_map":
+        in_specs = tuple(P("x") if r else P() for r in rows)
+        fn = jax.shard_map(call, mesh=mesh, in_specs=in_specs, out_specs=P("x"))
+        return fn, [on(a, s) for a, s in zip(structs, in_specs)]
+    row_spec = P(None, "x") if case["op"] in HEAD_SHARDED else P("x")
+    return call, [on(a, row_spec if r else P()) for a, r in zip(structs, rows)]
 
 
 def _encoder_kernel_ir(arch):
@@ -129,9 +221,9 @@ def _encoder_kernel_ir(arch):
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
-    from k3pallas import fp8 as fp8_lib, platform, testing
+    from k3pallas import fp8 as fp8_lib, testing
 
-    dtype = fp8_lib.default_fp8_dtype(platform.target_for(arch, "rocm"))
+    dtype = fp8_lib.default_fp8_dtype(arch)
 
     def kernel(x_ref, o_ref):
         i = jnp.arange(1024)
@@ -156,7 +248,7 @@ def extract(tokens, ops, workdir, log, broken=False):
     for arch in ARCHS:
         for i, case in enumerate(cases(tokens, ops) + ([BROKEN] if broken else [])):
             fn, args = case_fn(case)
-            lowered = testing.lower_for(fn, args, arch, "rocm")
+            lowered = testing.lower_for(fn, args, *testing.KNOWN_TARGETS[arch])
             for mod in testing.triton_ir_modules(lowered):
                 path = os.path.join(workdir, f"{arch}-{i}.ttir")
                 with open(path, "w") as f:
@@ -255,10 +347,31 @@ def compile_all(manifest_path: str) -> list[dict]:
 # ------------------------------------------------------------------------------------------------
 
 
+ARCH_FP8 = {"gfx942": "f8e4m3fnuz", "gfx950": "f8e4m3fn"}  # the arch's default FP8 format (HLO)
+NATIVE_CVT = {"gfx942": "v_cvt_pk_fp8_f32", "gfx950": "v_cvt_scalef32_pk_fp8_f32"}
+MAX_THREADS = 1024
+
+
 def problems(r) -> list[str]:
     if "error" in r:
         return [] if r["op"] == "native cast (Triton)" else [f"compile error: {r['error']}"]
     out = []
+    threads = r.get("threads") or (r.get("num_warps") or 0) * 64
+    if threads > MAX_THREADS:
+        out.append(f"{threads} threads per program > {MAX_THREADS}")
+    if r.get("sharded"):
+        fp8 = r.get("fp8_cast") is not None
+        if fp8 and r.get("fp8_formats") != [ARCH_FP8[r["arch"]]]:
+            out.append(f"FP8 format {r.get('fp8_formats')}, not the arch's {ARCH_FP8[r['arch']]}")
+        if not fp8 and r.get("fp8_formats"):
+            out.append(f"FP8 {r['fp8_formats']} in a program without FP8")
+        writes_codes = fp8 and ("fp8" in r["kernel"] or "quant" in r["kernel"]) \
+            and not r["kernel"].endswith("_scale_only")
+        if writes_codes and NATIVE_CVT[r["arch"]] not in (r.get("fp8_cvt") or []):
+            out.append(f"no native conversion ({NATIVE_CVT[r['arch']]}) in {r['kernel']}: "
+                       f"{r.get('fp8_cvt')}")
+        if (r.get("occupancy") or 0) < MIN_OCCUPANCY:
+            out.append(f"occupancy {r.get('occupancy')} < {MIN_OCCUPANCY}")
     if (r.get("vgpr_spill") or 0) or (r.get("sgpr_spill") or 0):
         out.append(f"spills ({r['vgpr_spill']} VGPR, {r['sgpr_spill']} SGPR)")
     if r.get("scratch"):
@@ -328,6 +441,46 @@ def markdown(results, meta, programs=(), other=None) -> str:
     return "\n".join(lines)
 
 
+def sharded_markdown(rows, gemm_off, programs) -> str:
+    """The sharded programs' kernels, and what the FP8 o_proj becomes with Triton GEMMs off."""
+    if not rows and not gemm_off:
+        return ""
+    lines = ["", f"## Sharded programs: {TP}-GPU deviceless topology (XLA's ROCm backend)", "",
+             "Traced with no k3pallas override: the library identifies the target from the "
+             "topology devices (platform `gpu`, kind `MI300X` / `MI350X`). `shard_map`: tokens over "
+             f"the {TP} devices; `named`: `jax.jit` with `NamedSharding` operands (heads or columns "
+             "where the op has them, else tokens); the Kimi-K3 output blocks at TP8. FP8 with the "
+             "native conversion (`native_unchecked`: no device for the self-check). Checked per "
+             f"kernel: the arch's FP8 format, the native conversion instruction, threads <= {MAX_THREADS}, "
+             f"no spills or scratch, occupancy >= {MIN_OCCUPANCY}.", "",
+             "| arch | sharding | op | T | kernel | FP8 | threads | VGPR | spills | occupancy | fp8 cvt | collectives | gate |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = problems(r)
+        if "error" in r:
+            lines.append(f"| {r['arch']} | {r['sharded']} | {r['op']} | {r['tokens']} | {r.get('kernel', '')} "
+                         f"| | | | | | | | FAIL: {r['error'][:80]} |")
+            continue
+        lines.append(
+            f"| {r['arch']} | {r['sharded']} | {r['op']} | {r['tokens']} | {r['kernel']} | "
+            f"{', '.join(r.get('fp8_formats') or []) or '-'} | {r['threads']} | {r['vgpr']} | "
+            f"{r['vgpr_spill']}/{r['sgpr_spill']} | {r['occupancy']} | "
+            f"{', '.join(r.get('fp8_cvt') or []) or '-'} | {', '.join(r.get('collectives') or []) or '-'} | "
+            f"{'; '.join(p) if p else 'ok'} |")
+    if gemm_off:
+        default = {(pr["arch"], pr["program"], pr["tokens"]): pr for pr in programs}
+        lines += ["", "## The FP8 o_proj with Triton GEMMs off (`--xla_gpu_enable_triton_gemm=false`)", "",
+                  "What XLA's ROCm backend makes of the FP8 x FP8 `dot_general` (deviceless, no "
+                  "autotuning) by default and with Triton GEMMs off.", "",
+                  "| arch | program | T | default | Triton GEMMs off |", "|---|---|---|---|---|"]
+        for pr in gemm_off:
+            d = default.get((pr["arch"], pr["program"], pr["tokens"]))
+            off = f"FAIL: {pr['error'][:80]}" if "error" in pr else gemm_summary(pr)
+            lines.append(f"| {pr['arch']} | {pr['program']} | {pr['tokens']} | "
+                         f"{gemm_summary(d) if d and 'error' not in d else '-'} | {off} |")
+    return "\n".join(lines)
+
+
 def gemm_summary(pr) -> str:
     """What XLA made of the program's GEMMs: vendor-library calls, or its own kernels with their
     matrix-core (MFMA) instructions, FMA count and FP8 conversions."""
@@ -343,41 +496,72 @@ def gemm_summary(pr) -> str:
     return "; ".join(parts) or "-"
 
 
-def run_xla(all_cases, programs, log, env_dir=None, variant=None) -> tuple[list, list, dict]:
-    """Compile the cases and programs with XLA's ROCm backend, one worker process per arch
-    (``variant``: a ``bench.ab`` design variant's kernels instead of main's)."""
+def run_xla(all_cases, programs, log, env_dir=None, sharded=(), parallel=2) -> tuple[list, list, dict]:
+    """Compile with XLA's ROCm backend: per arch, one worker process for the kernel cases and the
+    1-device programs, one for the programs with Triton GEMMs off (what the FP8 o_proj becomes
+    then), and one per sharded case (8-device topology; a fresh process, so that every kernel's
+    HSACO is written anew). ``parallel`` workers at a time."""
     from bench import rocm_env
 
     env = rocm_env.ensure(env_dir, log=log)
-    procs = []
+    program_cases = [{"program": p, "tokens": t} for p in programs for t in PROGRAM_TOKENS]
+    jobs = []
+    for arch in ARCHS:
+        jobs.append((arch, "kernels", all_cases + program_cases, {}))
+        if programs:
+            jobs.append((arch, "gemm_off", [c for c in program_cases if c["program"] != "mla_front"],
+                         {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}))
+        jobs += [(arch, "sharded", [c], {}) for c in sharded]
+    kernels, progs, gemm_off, shard_rows = [], [], [], []
     with tempfile.TemporaryDirectory() as work:
-        for arch in ARCHS:
-            path = os.path.join(work, f"{arch}-cases.json")
+        running, done = [], 0
+
+        def start(i, job):
+            arch, mode, cases, flags = job
+            path = os.path.join(work, f"{i}-cases.json")
             with open(path, "w") as f:
-                json.dump(all_cases + [{"program": p, "tokens": t} for p in programs
-                                       for t in PROGRAM_TOKENS], f)
-            hsaco, dump = os.path.join(work, f"{arch}-hsaco"), os.path.join(work, f"{arch}-dump")
+                json.dump(cases, f)
+            hsaco, dump = os.path.join(work, f"{i}-hsaco"), os.path.join(work, f"{i}-dump")
             os.makedirs(hsaco)
+            xla_flags = " ".join(filter(None, [f"--xla_dump_to={dump}", flags.get("XLA_FLAGS")]))
             extra = {"TF_XLA_HSACO_CACHE_DIR": hsaco, "TF_XLA_HSACO_BITCODE_SIZE_THRESHOLD": "0",
-                     "K3PALLAS_XLA_DUMP": dump, "XLA_FLAGS": f"--xla_dump_to={dump}"}
-            out = os.path.join(work, f"{arch}-out.json")
-            procs.append((arch, out, subprocess.Popen(
-                [env["python"], "-m", "bench.rocm_xla", arch, path, out] + ([variant] if variant else []),
-                env=rocm_env.worker_environ(env, extra), cwd=rocm_env._repo_root(),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
-        kernels, progs = [], []
-        for arch, out, proc in procs:
+                     "K3PALLAS_XLA_DUMP": dump, "XLA_FLAGS": xla_flags}
+            out = os.path.join(work, f"{i}-out.json")
+            worker_mode = "sharded" if mode == "sharded" else "kernels"
+            proc = subprocess.Popen([env["python"], "-m", "bench.rocm_xla", arch, path, out, worker_mode],
+                                    env=rocm_env.worker_environ(env, extra), cwd=rocm_env._repo_root(),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            return (job, out, proc)
+
+        def finish(job, out, proc):
+            arch, mode, cases, _ = job
             _, err = proc.communicate()
             if proc.returncode != 0:
                 lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-                raise SystemExit(f"rocm_check: the XLA ROCm worker for {arch} failed: "
+                raise SystemExit(f"rocm_check: the XLA ROCm worker ({arch}, {mode}) failed: "
                                  f"{(lines or ['?'])[-1][:400]}")
             with open(out) as f:
                 got = json.load(f)
-            kernels += got["kernels"]
-            progs += got["programs"]
-            log(f"{arch}: XLA compiled {len(got['kernels'])} kernels, {len(got['programs'])} programs")
-    return kernels, progs, {"jax_rocm": env["jax"], "devices": target_devices(env)}
+            if mode == "kernels":
+                kernels.extend(got["kernels"])
+                progs.extend(got["programs"])
+                log(f"{arch}: XLA compiled {len(got['kernels'])} kernels, {len(got['programs'])} programs")
+            elif mode == "gemm_off":
+                gemm_off.extend(got["programs"])
+            else:
+                shard_rows.extend(got["sharded"])
+
+        for i, job in enumerate(jobs):
+            while len(running) >= parallel:
+                finish(*running.pop(0))
+                done += 1
+            running.append(start(i, job))
+        for r in running:
+            finish(*r)
+        if sharded:
+            log(f"sharded: {len(sharded)} cases x {len(ARCHS)} archs, {len(shard_rows)} kernels")
+    return kernels, progs, {"jax_rocm": env["jax"], "devices": target_devices(env),
+                            "gemm_off": gemm_off, "sharded": shard_rows}
 
 
 def target_devices(env) -> dict:
@@ -424,8 +608,8 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join("bench", "out"))
     p.add_argument("--stem", default="rocm_check", help="output file names (<stem>.md / .json)")
     p.add_argument("--check", action="store_true", help="exit 1 on any gate failure")
-    p.add_argument("--variant", default=None,
-                   help="compile a bench.ab design variant's kernels instead of main's (xla only)")
+    p.add_argument("--no-sharded", action="store_true",
+                   help="skip the sharded programs on the 8-GPU topology (xla)")
     p.add_argument("--compile-manifest", default=None, help=argparse.SUPPRESS)  # triton part 2
     args = p.parse_args(argv)
     if args.compile_manifest:
@@ -441,15 +625,13 @@ def main(argv=None):
     tokens = [int(t) for t in args.tokens.split(",")]
     ops = args.ops.split(",") if args.ops else None
     all_cases = cases(tokens, ops) + ([BROKEN] if args.broken else [])
-    if args.variant and args.compiler != "xla":
-        p.error("--variant needs --compiler xla")
-    meta = {"jax": jax.__version__, "min_occupancy": MIN_OCCUPANCY, "compiler": args.compiler,
-            **({"variant": args.variant} if args.variant else {})}
-    results, programs, other = [], [], None
+    meta = {"jax": jax.__version__, "min_occupancy": MIN_OCCUPANCY, "compiler": args.compiler}
+    results, programs, other, shard_rows, gemm_off = [], [], None, [], []
     try:
         if args.compiler in ("xla", "both"):
             results, programs, m = run_xla(all_cases, [] if args.no_programs else PROGRAMS, log,
-                                           args.env_dir, args.variant)
+                                           args.env_dir, () if args.no_sharded else sharded_cases(ops))
+            shard_rows, gemm_off = m.pop("sharded"), m.pop("gemm_off")
             meta.update(m, compiler="XLA ROCm backend (jax-rocm7-plugin %s)" % m["jax_rocm"])
         if args.compiler in ("triton", "both"):
             tri, meta["triton"] = run_triton(tokens, ops, log, args.broken)
@@ -465,20 +647,22 @@ def main(argv=None):
         return 2
     meta["seconds"] = round(time.time() - t0, 1)
     log(f"compiled {len(results)} kernels")
-    md = markdown(results, meta, programs, other)
+    md = markdown(results, meta, programs, other) + sharded_markdown(shard_rows, gemm_off, programs)
     write_report(args.out, args.stem, md, {"meta": meta, "results": results, "programs": programs,
+                                           "sharded": shard_rows, "gemm_off": gemm_off,
                                            **({"triton": other} if other is not None else {})})
     print(md)
-    failures = [(r, problems(r)) for r in results if problems(r)]
+    failures = [(r, problems(r)) for r in results + shard_rows if problems(r)]
     for r, ps in failures:
-        print(f"GATE FAIL {r['arch']} {r['op']} {r['config']} T={r.get('tokens')} "
-              f"cast={r.get('fp8_cast')}: {'; '.join(ps)}", file=sys.stderr)
+        print(f"GATE FAIL {r['arch']} {r.get('sharded', '')} {r['op']} {r['config']} "
+              f"T={r.get('tokens')} cast={r.get('fp8_cast')}: {'; '.join(ps)}", file=sys.stderr)
     bad_programs = [pr for pr in programs if "error" in pr]
     for pr in bad_programs:
         print(f"GATE FAIL program {pr['arch']} {pr['program']} T={pr['tokens']}: {pr['error']}",
               file=sys.stderr)
-    print(f"rocm_check: {len(results)} kernels, {len(programs)} programs, {len(failures)} kernel "
-          f"failures, {len(bad_programs)} program failures, {meta['seconds']} s", file=sys.stderr)
+    print(f"rocm_check: {len(results)} kernels, {len(programs)} programs, {len(shard_rows)} kernels "
+          f"in sharded programs, {len(failures)} kernel failures, {len(bad_programs)} program "
+          f"failures, {meta['seconds']} s", file=sys.stderr)
     if args.check and (failures or bad_programs):
         return 1
     return 0

@@ -328,7 +328,7 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default=None, help="environment folder (default: %(default)s → "
                    "$K3PALLAS_ROCM_ENV or ~/.cache/k3pallas/rocm-xla-<jax>)")
     p.add_argument("--python", default=None, help="a Python >= 3.12 to build the venv with")
-    p.add_argument("--no-apt", action="store_true", help="do not apt-get install llvm-19")
+    p.add_argument("--no-apt", action="store_true", help=f"do not apt-get install {LLVM_PACKAGE}")
     args = p.parse_args(argv)
     try:
         env = ensure(args.dir, args.python, install_llvm=not args.no_apt)

@@ -19,6 +19,7 @@ HSACO, and takes the one of the earlier case with the same Triton IR.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -31,6 +32,7 @@ import time
 from bench.rocm_check import FP8_CVT
 
 LDS_PER_CU = {"gfx942": 65536, "gfx950": 163840}
+TRANSCENDENTAL = ("v_exp_", "v_log_", "v_rcp_", "v_rsq_", "v_sqrt_", "v_sin_", "v_cos_")
 
 
 def occupancy(arch, vgpr, agpr, sgpr, lds, waves_per_group) -> int:
@@ -90,6 +92,8 @@ def parse_code(dis: str, kernel: str) -> dict:
             "undecoded": sum(op.startswith(".") for op in code),
             "mfma": sorted({op for op in code if op.startswith(("v_mfma", "v_smfmac"))}),
             "fma": sum(op.startswith(("v_fma", "v_fmac", "v_pk_fma")) for op in code),
+            # Transcendentals: quarter rate on CDNA (16 clocks per wave64 instruction).
+            "trans": sum(op.startswith(TRANSCENDENTAL) for op in code),
             "dot": sum(op.startswith("v_dot") for op in code)}
 
 
@@ -109,7 +113,14 @@ def _newest_thunks(dump_dir, seen):
 
 
 class Compiler:
-    def __init__(self, arch, env):
+    """XLA's ROCm backend on a deviceless topology of ``devices`` GPUs of ``arch``.
+
+    Programs are traced with no k3pallas override: the library finds the target itself from the
+    topology devices (platform "gpu", kind "MI300X" / "MI350X"), as on hardware. They are lowered
+    under ``jax.set_mesh`` of the topology, where jax's own Pallas lowering reads the device.
+    """
+
+    def __init__(self, arch, env, devices=1):
         import jax
         from jax.sharding import NamedSharding, PartitionSpec
 
@@ -117,28 +128,40 @@ class Compiler:
 
         self.arch, self.env = arch, env
         with open(env["targets"][arch]) as fh:
-            self.topology = _compat.rocm_deviceless_topology(fh.read(), arch, env["devices"][arch])
+            self.topology = _compat.rocm_deviceless_topology(fh.read(), arch, env["devices"][arch],
+                                                             devices=devices)
         from jax.experimental import topologies
 
-        mesh = topologies.make_mesh(self.topology, (1,), ("x",))
-        self.sharding = NamedSharding(mesh, PartitionSpec())
-        self.target = platform.target_for(arch, "rocm")
+        self.mesh = topologies.make_mesh(self.topology, (devices,), ("x",))
+        self.sharding = NamedSharding(self.mesh, PartitionSpec())
+        self.target = platform.target_of_device(self.mesh.devices.flat[0])
         self.hsaco_dir = os.environ["TF_XLA_HSACO_CACHE_DIR"]
         self.dump_dir = os.environ["K3PALLAS_XLA_DUMP"]
         self.seen_hsaco, self.seen_dumps, self.by_ir = set(), set(), {}
         self.jax = jax
 
     def structs(self, args):
-        return self.jax.tree.map(
-            lambda a: self.jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding), args)
+        """ShapeDtypeStructs on the topology: as sharded where they say so (a NamedSharding on
+        this topology's mesh), else replicated."""
+        from jax.sharding import NamedSharding
 
-    def compile(self, fn, args):
-        """(compiled, lowered, new kernels {name: resources}, launches {name: launch})."""
-        from k3pallas import platform, testing
+        def one(a):
+            sharding = getattr(a, "sharding", None)
+            return self.jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding if isinstance(
+                sharding, NamedSharding) else self.sharding)
+        return self.jax.tree.map(one, args)
 
-        with platform.compiling_for(self.target), self.jax.sharding.use_abstract_mesh(
-                testing.abstract_mesh(self.arch, "rocm")):
-            lowered = self.jax.jit(fn).trace(*self.structs(args)).lower()
+    def compile(self, fn, args, trace_in_mesh=True):
+        """(compiled, lowered, new kernels {name: resources}, launches {name: launch}).
+
+        Lowered and compiled under ``jax.set_mesh`` of the topology (where jax's own Pallas
+        lowering reads the device); traced there too, or, with ``trace_in_mesh=False``, outside
+        any mesh (jit with NamedSharding operands: k3pallas finds the target from them)."""
+        structs = self.structs(args)
+        with self.jax.set_mesh(self.mesh) if trace_in_mesh else contextlib.nullcontext():
+            traced = self.jax.jit(fn).trace(*structs)
+        with self.jax.set_mesh(self.mesh):
+            lowered = traced.lower()
             compiled = lowered.compile()
         new = sorted(set(glob.glob(os.path.join(self.hsaco_dir, "*.hsaco"))) - self.seen_hsaco)
         self.seen_hsaco.update(new)
@@ -225,25 +248,68 @@ def smoke():
     print("ok")
 
 
-def main(arch, cases_path, out_path, variant=None):
-    """``variant``: a ``bench.ab`` design variant patched in before compiling (its kernels
-    instead of main's), or None."""
+_HLO_FP8 = re.compile(r"= \(?(f8e4m3fnuz|f8e4m3fn|f8e5m2)\[[^\n]*__gpu\$xla\.gpu\.triton")
+
+
+def sharded(comp, case) -> list[dict]:
+    """One sharded program (``bench.rocm_check.sharded_fn``) on the 8-device topology: a row per
+    k3pallas kernel launched in it, with what the gate checks (FP8 format, native conversion,
+    threads, spills, occupancy)."""
+    from bench import rocm_check
+
+    t0 = time.time()
+    try:
+        fn, args = rocm_check.sharded_fn(case, comp.mesh)
+        compiled, _, kernels, launches = comp.compile(fn, args, case["sharded"] != "named")
+    except Exception as e:  # noqa: BLE001 - a compile error is the gate's finding
+        if os.environ.get("K3PALLAS_ROCM_DEBUG"):
+            raise
+        return [{**case, "arch": comp.arch, "error": f"{type(e).__name__}: {str(e)[:300]}"}]
+    hlo = compiled.as_text()
+    formats = sorted({m.group(1) for m in _HLO_FP8.finditer(hlo)})
+    rows = []
+    for name, launch in launches.items():
+        if not name.startswith("k3pallas_"):
+            continue
+        res = kernels.get(name)
+        row = {**case, "arch": comp.arch, "kernel": name, "threads": launch["threads"],
+               "num_warps": launch["threads"] // 64, "grid": launch["grid"], "lds": launch["lds"],
+               "fp8_formats": formats, "target": f"{comp.target.backend} {comp.target.arch}",
+               "compile_s": round(time.time() - t0, 2),
+               "collectives": sorted({c for c in ("all-reduce", "all-gather", "reduce-scatter",
+                                                  "all-to-all") if f" {c}(" in hlo})}
+        if res is None:
+            row["error"] = "no HSACO found for the kernel"
+        else:
+            row.update(res, occupancy=occupancy(comp.arch, res["vgpr"], res["agpr"], res["sgpr"],
+                                                max(launch["lds"] or 0, res["static_lds"]),
+                                                launch["threads"] // 64))
+        rows.append(row)
+    if not rows:
+        rows.append({**case, "arch": comp.arch, "error": "no k3pallas kernel in the compiled program"})
+    return rows
+
+
+def main(arch, cases_path, out_path, mode="kernels"):
+    """``mode``: "kernels" (the kernel cases and 1-device programs), "sharded" (one sharded case
+    on an 8-device topology; a process of its own, so every kernel's HSACO is new)."""
     from bench import rocm_check, rocm_env
 
-    if variant:
-        from bench import ab
-
-        for patch in variant.split("+"):
-            ab._apply(patch)
     env = rocm_env.load()
-    comp = Compiler(arch, env)
     with open(cases_path) as fh:
         cases = json.load(fh)
+    if mode == "sharded":
+        comp = Compiler(arch, env, devices=rocm_check.TP)
+        out = {"kernels": [], "programs": [], "sharded": [r for c in cases for r in sharded(comp, c)]}
+        with open(out_path, "w") as fh:
+            json.dump(out, fh)
+        return
+    comp = Compiler(arch, env)
     out = {"kernels": [], "programs": []}
     for case in cases:
         if case.get("program"):
-            fn, args = rocm_check.program_fn(case["program"], case["tokens"], comp.target)
             try:
+                fn, args = rocm_check.program_fn(case["program"], case["tokens"], comp.mesh)
                 out["programs"].append({**comp.program(case["program"], fn, args), "tokens": case["tokens"]})
             except Exception as e:  # noqa: BLE001
                 out["programs"].append({"arch": arch, "program": case["program"],

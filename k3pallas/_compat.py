@@ -6,6 +6,7 @@ Nothing else in the package imports private jax internals or checks ``jax.__vers
 from __future__ import annotations
 
 import contextvars
+import inspect
 
 import jax
 from jax.experimental import pallas as pl  # noqa: F401  (re-exported for the kernel modules)
@@ -59,6 +60,14 @@ def match_varying(row_inputs, shared_inputs):
     return rows, [widen(a) for a in shared_inputs], jax.typeof(rows[0]).manual_axis_type
 
 
+def local_devices() -> list:
+    """jax's local devices, or [] where no backend can start."""
+    try:
+        return list(jax.local_devices())
+    except RuntimeError:
+        return []
+
+
 def abstract_target_device():
     """The ``AbstractDevice`` of the abstract mesh in scope (deviceless lowering), or None.
 
@@ -67,6 +76,20 @@ def abstract_target_device():
     """
     mesh = jax.sharding.get_abstract_mesh()
     return getattr(mesh, "abstract_device", None)
+
+
+def operand_device(a):
+    """The device an operand's sharding names, or None: for a traced value, the
+    ``AbstractDevice`` of its type's mesh (``jax.jit`` with ``NamedSharding``); for a committed
+    ``jax.Array``, one of its devices. ``jax.typeof(x).sharding.mesh.abstract_device`` exists in
+    jax 0.10.2 through 0.12 (None for a mesh without devices)."""
+    if isinstance(a, jax.core.Tracer):
+        mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+        return getattr(mesh, "abstract_device", None)
+    if isinstance(a, jax.Array) and getattr(a, "committed", False):
+        devices = getattr(a.sharding, "device_set", None)
+        return next(iter(devices)) if devices else None
+    return None
 
 
 def triton_ir_modules(lowered) -> list[dict]:
@@ -110,6 +133,25 @@ def triton_ir_modules(lowered) -> list[dict]:
     return out
 
 
+def register_deviceless_gpu_kind(device_kind: str, arch: str) -> None:
+    """Tell Pallas' Triton lowering (jax >= 0.12: ``jax._src.pallas.triton.gpu_info``) the arch
+    of an AMD device kind it does not map itself ("MI300X", as XLA's ROCm topology devices say),
+    for lowering without that device attached. On hardware jax reads the arch from the device
+    (``compute_capability`` "gfx942"); jax 0.10 / 0.11 do not look at the kind. No-op for the
+    kinds jax knows (NVIDIA names, "gfx..."), for non-AMD arches, and on jax without the module.
+    """
+    if not arch.startswith("gfx") or arch == "gfx_unknown" or device_kind.startswith("gfx"):
+        return
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:
+        return
+    registry = getattr(gpu_info, "registry", None)
+    if registry is not None and device_kind not in registry:
+        registry[device_kind] = lambda: gpu_info.GpuInfo(
+            gpu_version=None, arch_name=arch, compute_capability=0)
+
+
 # ------------------------------------------------------------------------------------------------
 # Compiling with XLA's own ROCm backend on a machine without a GPU (bench.rocm_check). Private jax,
 # written for and checked against jax 0.12.0 with jax-rocm7-plugin 0.12.0 (bench.rocm_env pins it).
@@ -118,9 +160,10 @@ def triton_ir_modules(lowered) -> list[dict]:
 ROCM_DEVICELESS_JAX = ((0, 12, 0),)
 
 
-def rocm_deviceless_topology(target_config_text: str, arch: str, device_kind: str):
-    """A one-device ROCm topology for ``arch`` from XLA's ``GpuTargetConfigProto`` text, with the
-    two patches that let the compile-only plugin start and Pallas lower for it:
+def rocm_deviceless_topology(target_config_text: str, arch: str, device_kind: str, devices: int = 1):
+    """A ROCm topology of ``devices`` GPUs of ``arch`` (one host) from XLA's
+    ``GpuTargetConfigProto`` text, with the two patches that let the compile-only plugin start
+    and Pallas lower for it:
 
     * ``jax._src.hardware_utils.num_available_amd_gpus`` -> 1: the plugin refuses to initialise
       when the kernel driver shows no GPU;
@@ -137,14 +180,12 @@ def rocm_deviceless_topology(target_config_text: str, arch: str, device_kind: st
             f"{', '.join('.'.join(map(str, v)) for v in ROCM_DEVICELESS_JAX)}; this is jax "
             f"{jax.__version__} (build the environment with python -m bench.rocm_env)")
     from jax._src import hardware_utils
-    from jax._src.pallas.triton import gpu_info
     from jax.experimental import topologies
 
     hardware_utils.num_available_amd_gpus = lambda stop_at=None: 1
-    gpu_info.registry[device_kind] = lambda: gpu_info.GpuInfo(
-        gpu_version=None, arch_name=arch, compute_capability=0)
+    register_deviceless_gpu_kind(device_kind, arch)
     return topologies.get_topology_desc("", "rocm", target_config=target_config_text,
-                                        topology="1x1x1")
+                                        topology=f"1x1x{devices}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -170,10 +211,20 @@ def native_fnuz_cast_unavailable() -> str | None:
         from jax._src.pallas.triton import lowering
     except ImportError as e:
         return f"jax's Pallas Triton lowering is not importable ({e})"
+    if _FNUZ_PATCHED:
+        return None
     entries = [e for e in getattr(lowering, "_UNSUPPORTED_CAST_DTYPES", ()) if len(e) == 3
                and e[1] == "float8_e4m3fnuz"]
-    if not _FNUZ_PATCHED and (len(entries) != 1 or not hasattr(lowering, "lower_jaxpr_to_triton_module")):
+    fn = getattr(lowering, "lower_jaxpr_to_triton_module", None)
+    if len(entries) != 1 or fn is None:
         return "jax's Pallas Triton lowering does not have the expected fp8 cast table"
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        params = []
+    if params[:2] != ["jaxpr", "grid_mapping"]:
+        return ("jax's Pallas Triton lowering does not have the expected fp8 cast table "
+                f"(lower_jaxpr_to_triton_module{tuple(params)}: not jaxpr, grid_mapping, ...)")
     return None
 
 

@@ -23,7 +23,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from k3pallas import fp8 as fp8_lib
+from k3pallas import fp8 as fp8_lib, platform
 from k3pallas._checks import FLOAT_DTYPES, static_positive_float
 from k3pallas.fp8 import QuantizedActivation
 from k3pallas.ops import IMPLS, call
@@ -73,10 +73,11 @@ def _check_activation(op, activation):
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
-def _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast):
+def _fp8_params(op, arrays, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast):
     try:
         return fp8_lib.resolve_fp8_params(fp8_dtype, fp8_max, min_scale, scale_ub,
-                                          fp8_cast=fp8_cast)
+                                          fp8_cast=fp8_cast,
+                                          target=platform.current_target(*arrays))
     except (TypeError, ValueError) as e:
         raise type(e)(f"{op}: {e}") from None
 
@@ -289,7 +290,7 @@ def rmsnorm_gated_fp8_per_token(x, weight, gate, eps=1e-5, *, activation="sigmoi
     if x.ndim < 3:  # [H, D] or [T, H*D] would be ambiguous: the scale is per token
         raise ValueError(f"{op}: x and gate must be [..., T, H, D] (rank >= 3: tokens, heads, head "
                          f"dim; one token: x[None]); got shape {tuple(x.shape)}")
-    q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
+    q = _fp8_params(op, (x, gate), fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
     heads, dim = x.shape[-2:]
     groups = _check_groups(op, scale_groups, heads, "the number of heads")
     lead = x.shape[:-2]
@@ -321,7 +322,7 @@ def per_token_fp8_quant(x, *, fp8_dtype=None, fp8_max=None, min_scale=None, scal
                         scale_groups=1, fp8_cast=None, impl="auto") -> QuantizedActivation:
     op = "per_token_fp8_quant"
     _check_array(op, "x", x)
-    q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
+    q = _fp8_params(op, (x,), fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
     n = x.shape[-1]
     groups = _check_groups(op, scale_groups, n, "the last dim of x")
     lead = x.shape[:-1]
@@ -352,7 +353,7 @@ def sigmoid_mul_fp8_per_token(x, gate, *, fp8_dtype=None, fp8_max=None, min_scal
     if gate.shape != x.shape:
         raise ValueError(f"{op}: gate must have the shape of x; got gate {tuple(gate.shape)} and "
                          f"x {tuple(x.shape)}")
-    q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
+    q = _fp8_params(op, (x, gate), fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
     n = x.shape[-1]
     groups = _check_groups(op, scale_groups, n, "the last dim of x")
     lead = x.shape[:-1]
@@ -383,7 +384,7 @@ def fused_q_kv_rmsnorm_fp8(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=N
                            fp8_cast=None, impl="auto"):
     op = "fused_q_kv_rmsnorm_fp8"
     eps, kv_eps = _check_fused(op, q_c, kv_c, q_weight, kv_weight, eps, kv_eps)
-    q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
+    q = _fp8_params(op, (q_c, kv_c), fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
     data, scale, kv_out = call(op, impl, (q_c, kv_c, q_weight, kv_weight),
                                dict(eps=eps, kv_eps=kv_eps, fp8=q))
     return QuantizedActivation(data, scale), kv_out
@@ -394,7 +395,7 @@ def mla_q_kv_norm_fp8(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_si
                       fp8_cast=None, impl="auto"):
     op = "mla_q_kv_norm_fp8"
     options = _check_packed(op, qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size)
-    q = _fp8_params(op, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
+    q = _fp8_params(op, (qkv_a,), fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
     data, scale, kv_out, *pe = call(op, impl, (qkv_a, q_weight, kv_weight), dict(options, fp8=q))
     return QuantizedActivation(data, scale), kv_out, _k_pe(qkv_a, pe)
 

@@ -38,6 +38,11 @@ FP8_E4M3FNUZ_MAX = 224.0  # vLLM's choice on MI300; the format's largest finite 
 FP8_E4M3FNUZ_MAX_AITER = 240.0  # AITER and the Kimi-K3 fused kernel
 FP8_E5M2_MAX = 57344.0
 MIN_SCALE_DIVISOR = 512.0  # min_scale = 1 / (fp8_max * 512), as vLLM
+# The kernels and XLA divide by the scale as a multiplication by its reciprocal, which GPUs flush
+# to 0 once it is subnormal: scales stay <= 2**126, so every code is exact. With fp8_max >= 4 no
+# row of finite float32 values (amax <= 2**128) reaches that; min_scale is capped there.
+SCALE_MAX = 2.0**126
+FP8_MAX_MIN = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +98,9 @@ def default_fp8_dtype(device=None):
 
     ``device``: None, a jax device, a ``platform.Target``, or a name: an AMD arch or part
     (``"gfx942"``, ``"MI300X"``), an NVIDIA arch or part (``"sm_90"``, ``"H200"``), or ``"cpu"``.
+
+    Raises: TypeError for anything else; ValueError for an unknown name, and for an AMD device
+    whose arch is not known (``gfx_unknown``: its FP8 format cannot be told; pass ``fp8_dtype``).
     """
     from k3pallas import platform  # local import: platform imports jax devices lazily
 
@@ -102,9 +110,14 @@ def default_fp8_dtype(device=None):
         target = device
     elif isinstance(device, str):
         target = platform.target_from_name(device)
+    elif hasattr(device, "device_kind") and hasattr(device, "platform"):
+        target = platform.target_of_device(device)
     else:
-        target = platform.target_for(device.device_kind, platform.device_platform(device),
-                                     getattr(device, "compute_capability", None))
+        raise TypeError("default_fp8_dtype: device must be None, a jax device, a "
+                        f"k3pallas.platform.Target or a name; got {type(device).__name__}")
+    if target.backend == "rocm" and target.arch == "gfx_unknown":
+        raise ValueError(f"the FP8 format of AMD device {target.device_kind!r} is not known to "
+                         "k3pallas (e4m3fnuz on gfx94x, e4m3fn on gfx950); pass fp8_dtype")
     if target.backend == "rocm" and target.arch.startswith("gfx94"):
         return jnp.dtype(jnp.float8_e4m3fnuz)
     return jnp.dtype(jnp.float8_e4m3fn)
@@ -118,7 +131,8 @@ class Fp8Params:
     fp8_max: float
     min_scale: float
     scale_ub: float | None
-    cast: str = "auto"  # the requested float32 -> FP8 conversion (k3pallas.kernels.fp8_cast)
+    cast: str | None = None  # the requested float32 -> FP8 conversion (k3pallas.kernels.fp8_cast;
+    # None: $K3PALLAS_FP8_CAST, else "auto", read when a kernel is built)
 
 
 def resolve_fp8_params(fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None, *,
@@ -135,17 +149,18 @@ def resolve_fp8_params(fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=No
     target = platform.current_target() if target is None else target
     dtype = default_fp8_dtype(target) if fp8_dtype is None else fp8_format(fp8_dtype).dtype
     fmt = fp8_format(dtype)
-    fp8_max = fmt.default_max if fp8_max is None else static_positive_float("fp8_max", fp8_max)
+    fp8_max = (fmt.default_max if fp8_max is None
+               else static_positive_float("fp8_max", fp8_max, low=FP8_MAX_MIN))
     if fp8_max > fmt.max_finite:
         raise ValueError(f"fp8_max={fp8_max} exceeds the largest finite {fmt.name} value "
                          f"{fmt.max_finite}")
     if min_scale is None:
         min_scale = 1.0 / (fp8_max * MIN_SCALE_DIVISOR)
     else:
-        min_scale = static_positive_float("min_scale", min_scale)
+        min_scale = static_positive_float("min_scale", min_scale, high=SCALE_MAX)
     if scale_ub is not None:
         scale_ub = static_positive_float("scale_ub", scale_ub)
-    return Fp8Params(dtype, fp8_max, min_scale, scale_ub, cast_lib.resolve_mode(fp8_cast))
+    return Fp8Params(dtype, fp8_max, min_scale, scale_ub, cast_lib.check_mode(fp8_cast))
 
 
 class QuantizedActivation(NamedTuple):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from k3pallas import fp8 as fp8_lib
+from k3pallas import fp8 as fp8_lib, platform
 from k3pallas._checks import FLOAT_DTYPES as _FLOATS
 
 __all__ = ["quantize_weight_per_channel", "fp8_linear"]
@@ -57,7 +57,7 @@ def quantize_weight_per_channel(w, *, fp8_dtype=None, fp8_max=None, w_layout="kn
         raise TypeError(f"{op}: w must be float16, bfloat16 or float32, got {w.dtype}")
     _check_layout(op, w_layout)
     try:
-        q = fp8_lib.resolve_fp8_params(fp8_dtype, fp8_max)
+        q = fp8_lib.resolve_fp8_params(fp8_dtype, fp8_max, target=platform.current_target(w))
     except (TypeError, ValueError) as e:
         raise type(e)(f"{op}: {e}") from None
     wf = w.astype(jnp.float32)

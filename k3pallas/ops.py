@@ -245,7 +245,23 @@ def call(name: str, impl, arrays, options: dict, *, originals=None):
     ``originals``: the row operands as the user passed them (before a reshape to the rule's
     layout), for the call-time sharding check of their last axes; default ``arrays``.
     """
-    op = OPS[name]
+    with platform.compiling_for(platform.current_target(*arrays)):
+        return _call(OPS[name], impl, arrays, options, originals)
+
+
+@functools.lru_cache(maxsize=None)
+def _on_target(local):
+    """``local`` traced for a given target: ``custom_partitioning`` traces it later, at compile
+    time, outside the context of the call that found the target."""
+
+    def run(*arrays, target, **kwargs):
+        with platform.compiling_for(target):
+            return local(*arrays, **kwargs)
+    return run
+
+
+def _call(op: Op, impl, arrays, options, originals):
+    name = op.name
     impl = resolve_impl(impl, name)
     rule = dataclasses.replace(op.rule(options, arrays), names=op.operand_names)
     ins = rule.sides()[0]
@@ -263,12 +279,13 @@ def call(name: str, impl, arrays, options: dict, *, originals=None):
                                       jax.eval_shape(ref, *arrays))
     from k3pallas import kernels
 
-    run = sharding.partitioned(name, rule, kernels.entry(name), cache_key=kernels.trace_context(),
-                               interpret=impl == "interpret",
-                               **options)
+    run = sharding.partitioned(name, rule, _on_target(kernels.entry(name)),
+                               cache_key=kernels.trace_context(), interpret=impl == "interpret",
+                               target=platform.current_target(), **options)
     try:
         return _inference_only(name, run, *arrays)
-    except RuntimeError as e:  # the backend's refusals (a native FP8 cast it cannot do) name the op
-        if str(e).startswith(f"{name}:"):
+    except (RuntimeError, ValueError) as e:  # the backend's refusals (a native FP8 cast it
+        # cannot do, an output it cannot index, a bad $K3PALLAS_FP8_CAST) name the op
+        if str(e).startswith(f"{name}:") or type(e) not in (RuntimeError, ValueError):
             raise
-        raise RuntimeError(f"{name}: {e}") from None
+        raise type(e)(f"{name}: {e}") from None

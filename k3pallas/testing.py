@@ -16,38 +16,53 @@ import re
 import jax
 import jax.numpy as jnp
 
+from k3pallas import _compat, platform as platform_lib
 from k3pallas._compat import triton_ir_modules  # noqa: F401  (re-exported: private jax inside)
 from k3pallas.kernels import common
 
-__all__ = ["KNOWN_TARGETS", "abstract_mesh", "lower_for", "triton_launches", "triton_ir_modules",
+__all__ = ["KNOWN_TARGETS", "abstract_mesh", "lowering_platform", "lower_for", "triton_launches", "triton_ir_modules",
            "poisoned_outputs"]
 
+# Devices as jax presents them: platform "gpu" for both vendors, with the device kind that
+# XLA's ROCm plugin gives its MI300X / MI350X topology devices and that CUDA gives an H200.
 KNOWN_TARGETS = {
-    "h200": ("NVIDIA H200", "cuda"),
-    "gfx942": ("gfx942", "rocm"),
-    "gfx950": ("gfx950", "rocm"),
+    "h200": ("NVIDIA H200", "gpu"),
+    "gfx942": ("MI300X", "gpu"),
+    "gfx950": ("MI350X", "gpu"),
 }
+# Core counts as the devices report them (XLA's target configs; the H200's 132 SMs).
+_CORES = {"NVIDIA H200": 132, "MI300X": 304, "MI350X": 256}
 
 
-def abstract_mesh(device_kind: str, platform: str):
-    """A one-device abstract mesh that targets ``device_kind`` on ``platform`` ("cuda" or "rocm").
+def abstract_mesh(device_kind: str, platform: str = "gpu", shape=(1,), axis_names=("x",)):
+    """An abstract mesh of devices of ``device_kind``, as jax builds one from real devices
+    (``AbstractDevice(kind, cores, platform)``; a GPU of either vendor says platform "gpu").
 
-    Use it as ``with jax.sharding.use_abstract_mesh(abstract_mesh("gfx942", "rocm")):`` around
-    ``jax.jit(f).trace(...).lower(lowering_platforms=(platform,))`` to lower for a GPU that is not
-    attached. ``AxisType.Auto``: ``Explicit`` broke two-dimensional reductions in that mode.
+    Use it as ``with jax.sharding.use_abstract_mesh(abstract_mesh("MI300X")):`` around
+    ``jax.jit(f).trace(...).lower(lowering_platforms=("rocm",))`` to lower for a GPU that is not
+    attached (``lower_for`` does both). ``AxisType.Auto``: ``Explicit`` broke two-dimensional
+    reductions in that mode.
     """
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-    return AbstractMesh((1,), ("x",), (AxisType.Auto,),
-                        abstract_device=AbstractDevice(device_kind, 1, platform))
+    _compat.register_deviceless_gpu_kind(device_kind, platform_lib.target_for(
+        device_kind, platform).arch)
+    return AbstractMesh(tuple(shape), tuple(axis_names), (AxisType.Auto,) * len(shape),
+                        abstract_device=AbstractDevice(device_kind, _CORES.get(device_kind), platform))
 
 
-def lower_for(fn, args, device_kind: str, platform: str):
+def lowering_platform(device_kind: str, platform: str = "gpu") -> str:
+    """"cuda" or "rocm": the platform to lower for, from what the device says."""
+    return platform_lib.target_for(device_kind, platform).backend
+
+
+def lower_for(fn, args, device_kind: str, platform: str = "gpu"):
     """Lower ``jax.jit(fn)`` for ``args`` (arrays or ShapeDtypeStructs, pytrees allowed) on a
     GPU that is not here. Returns the ``jax.stages.Lowered``; ``.as_text()`` is the StableHLO."""
     structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
     with jax.sharding.use_abstract_mesh(abstract_mesh(device_kind, platform)):
-        return jax.jit(fn).trace(*structs).lower(lowering_platforms=(platform,))
+        return jax.jit(fn).trace(*structs).lower(
+            lowering_platforms=(lowering_platform(device_kind, platform),))
 
 
 _LAUNCH_FIELD = re.compile(r"\b(name|num_warps|num_stages|grid_x|grid_y|grid_z) = (\"[^\"]*\"|\d+)")

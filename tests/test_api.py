@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import k3pallas as kp
-from k3pallas import ops as k3ops
+from k3pallas import ops as k3ops, testing
 
 from oracle import ORACLE_TOL, assert_close, gated64, rmsnorm64
 
@@ -180,7 +180,7 @@ def test_fp8_defaults():
         assert kp.default_fp8_dtype(platform.target_for(kind, plat)) == jnp.dtype(want), kind
     p = fp8.resolve_fp8_params(jnp.float8_e4m3fnuz, target=platform.target_for("gfx942", "rocm"))
     assert p.fp8_max == 224.0 and p.min_scale == 1.0 / (224.0 * 512) and p.scale_ub is None
-    assert p.cast == "auto"  # the conversion path is decided by the kernel backend
+    assert p.cast is None  # None: $K3PALLAS_FP8_CAST or "auto", read when a kernel is built
     p = fp8.resolve_fp8_params(target=platform.target_for("gfx942", "rocm"))
     assert p.dtype == jnp.float8_e4m3fnuz
     here = kp.current_target()  # this run's device: e4m3fnuz only on AMD gfx94x
@@ -192,7 +192,7 @@ def test_fp8_defaults():
         assert kp.default_fp8_dtype(name) == jnp.dtype(want), name
     with pytest.raises(ValueError, match="unknown device name 'tpu'"):
         kp.default_fp8_dtype("tpu")
-    with jax.sharding.use_abstract_mesh(__import__("k3pallas.testing", fromlist=["x"]).abstract_mesh("gfx942", "rocm")):
+    with jax.sharding.use_abstract_mesh(testing.abstract_mesh(*testing.KNOWN_TARGETS["gfx942"])):
         assert kp.default_fp8_dtype() == jnp.dtype(jnp.float8_e4m3fnuz)
 
 

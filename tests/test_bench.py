@@ -125,3 +125,37 @@ def test_ab_variants_compute_the_op():
     for variant, text in rows.items():
         for op, (scale_err, code_err) in json.loads(text).items():
             assert scale_err < 1e-6 and code_err == 0.0, (variant, op, scale_err, code_err)
+
+
+def test_device_report_end_to_end_without_a_gpu(tmp_path):
+    """The GPU owner's one command, here with nothing to install and no GPU: it records what jax
+    and k3pallas see and packs one archive."""
+    import tarfile
+
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "-m", "bench.device_report", "--install", "none",
+                           "--no-tests", "--bench", "none", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    archive = proc.stdout.strip().splitlines()[-1].split("archive: ")[1]
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    assert {"report/report.json", "report/jax_view.json", "report/jax_view.log"} <= names
+    view = json.loads((out / "jax_view.json").read_text())
+    assert view["devices"] and view["devices"][0]["default_fp8"] == "float8_e4m3fn"
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"]["identify_and_self_check"]["rc"] == 0 and "machine" in report
+
+
+def test_device_report_ends_only_its_own_process_group(tmp_path):
+    from bench import device_report
+
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        r = device_report.run([sys.executable, "-c", "import time; time.sleep(60)"],
+                              str(tmp_path / "log.txt"), timeout=1)
+        assert r["timed_out"] and r["rc"] != 0
+        assert bystander.poll() is None  # a process it did not start is untouched
+    finally:
+        bystander.kill()
+        bystander.wait()

@@ -18,9 +18,9 @@ from k3pallas import testing
 from k3pallas.kernels import quant
 
 FORMATS = ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2"]
-GFX942 = platform.target_for("gfx942", "rocm")
-GFX950 = platform.target_for("gfx950", "rocm")
-H200 = platform.target_for("NVIDIA H200", "cuda")
+GFX942 = platform.target_for(*testing.KNOWN_TARGETS["gfx942"])
+GFX950 = platform.target_for(*testing.KNOWN_TARGETS["gfx950"])
+H200 = platform.target_for(*testing.KNOWN_TARGETS["h200"])
 
 
 @pytest.fixture
@@ -28,9 +28,12 @@ def fresh(monkeypatch):
     """No cached decisions; self-checks run in interpret mode, as if on an attached device."""
     monkeypatch.setattr(fp8_cast, "_DECISIONS", {})
     monkeypatch.setattr(fp8_cast, "_CHECKS", {})
-    monkeypatch.setattr(fp8_cast, "_attached", lambda target: True)
+    monkeypatch.setattr(fp8_cast, "_WARNED", set())
+    monkeypatch.setattr(fp8_cast, "_attached", lambda target: None)
+    monkeypatch.setattr(fp8_cast, "_devices_of", lambda target: [None])
     real = fp8_cast.self_check
-    monkeypatch.setattr(fp8_cast, "self_check", lambda dtype, interpret: real(dtype, interpret=True))
+    monkeypatch.setattr(fp8_cast, "self_check",
+                        lambda dtype, interpret, device=None: real(dtype, interpret=True))
     monkeypatch.delenv(fp8_cast.ENV_VAR, raising=False)
 
 
@@ -73,11 +76,11 @@ def test_auto_picks_native_after_a_passing_self_check(fresh, target, name):
 def test_simulated_mismatch_warns_once_and_falls_back(fresh, monkeypatch):
     real = quant.native_codes
     monkeypatch.setattr(quant, "native_codes", lambda v, dtype: real(v * (1 + 2.0**-6), dtype))
-    with pytest.warns(RuntimeWarning, match=r"native float8_e4m3fnuz conversion differs from the encoder"):
+    with pytest.warns(RuntimeWarning, match=r"native float8_e4m3fnuz conversion or the encoder differs"):
         d = fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX942)
-    assert not d.native and d.mismatches and "encoder 0x" in d.reason
-    value, enc, nat = d.mismatches[0]
-    assert enc != nat
+    assert not d.native and d.mismatches and "native 0x" in d.reason
+    value, host, enc, nat = d.mismatches[0]
+    assert enc == host != nat
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # decided once: no second warning
         assert not fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX942).native
@@ -91,7 +94,7 @@ def test_simulated_mismatch_through_the_api(fresh, monkeypatch, rng):
     monkeypatch.setattr(quant, "native_codes", lambda v, dtype: real(v * 1.5, dtype))
     x = jnp.asarray(rng.standard_normal((8, 256)), jnp.float32)
     with pytest.raises(RuntimeError, match="per_token_fp8_quant: fp8_cast='native'"), \
-            pytest.warns(RuntimeWarning, match="differs from the encoder"):
+            pytest.warns(RuntimeWarning, match="or the encoder differs"):
         kp.per_token_fp8_quant(x, fp8_cast="native", impl="interpret")
     enc = kp.per_token_fp8_quant(x, fp8_cast="encoder", impl="interpret")
     ref = kp.per_token_fp8_quant(x, impl="reference")
@@ -113,7 +116,7 @@ def test_without_a_device_auto_is_the_encoder_and_native_raises(monkeypatch):
     monkeypatch.setattr(fp8_cast, "_DECISIONS", {})
     monkeypatch.setattr(fp8_cast, "_CHECKS", {})
     d = fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX942)
-    assert not d.native and "no gfx942 device attached" in d.reason
+    assert not d.native and "no gfx942 device attached" in d.reason, d
     with pytest.raises(RuntimeError, match="no gfx942 device attached.*native_unchecked"):
         fp8_cast.decide("float8_e4m3fnuz", "native", target=GFX942)
     assert fp8_cast.decide("float8_e4m3fnuz", "native_unchecked", target=GFX942).native
@@ -127,8 +130,17 @@ def test_modes_and_environment_variable(monkeypatch, rng):
     with pytest.raises(ValueError, match="fp8_cast must be one of"):
         kp.rmsnorm_gated_fp8_per_token(x.reshape(4, 2, 32), jnp.ones(32), x.reshape(4, 2, 32), fp8_cast=1)
     monkeypatch.setenv(fp8_cast.ENV_VAR, "bogus")
-    with pytest.raises(ValueError, match="K3PALLAS_FP8_CAST='bogus'"):
-        kp.per_token_fp8_quant(x)
+    with pytest.raises(ValueError, match="per_token_fp8_quant: environment variable K3PALLAS_FP8_CAST='bogus'"):
+        kp.per_token_fp8_quant(x, impl="interpret")
+    # Calls that convert nothing in a kernel do not read it.
+    kp.per_token_fp8_quant(x, impl="reference")
+    kp.quantize_weight_per_channel(x)
+    monkeypatch.setenv(fp8_cast.ENV_VAR, " Encoder ")
+    assert fp8_cast.resolve_mode(None) == "encoder"
+    monkeypatch.setenv(fp8_cast.ENV_VAR, "native_unchecked")  # ahead-of-time tools pass it as an argument
+    with pytest.raises(ValueError, match="only as the fp8_cast argument"):
+        fp8_cast.resolve_mode(None)
+    assert fp8_cast.resolve_mode("native_unchecked") == "native_unchecked"
     monkeypatch.setenv(fp8_cast.ENV_VAR, "native")
     assert fp8_cast.resolve_mode(None) == "native" and fp8_cast.resolve_mode("encoder") == "encoder"
     monkeypatch.delenv(fp8_cast.ENV_VAR)
@@ -154,7 +166,7 @@ def test_native_path_in_interpret_equals_the_encoder_path(rng, monkeypatch, name
 
 
 def _lower_ir(fn, args, arch="gfx942"):
-    lowered = testing.lower_for(fn, args, arch, "rocm")
+    lowered = testing.lower_for(fn, args, *testing.KNOWN_TARGETS[arch])
     return [m["ir"] for m in testing.triton_ir_modules(lowered)]
 
 
@@ -189,5 +201,128 @@ def test_fnuz_patch_refuses_an_unknown_jax(monkeypatch):
     reason = _compat.native_fnuz_cast_unavailable()
     assert reason and "written for jax 0.10.2, 0.11.2, 0.12.0, not" in reason
     assert "not" in fp8_cast.native_unavailable(GFX942, jnp.float8_e4m3fnuz)
-    d = fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX942)
+    monkeypatch.setattr(fp8_cast, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="uses the integer encoder"):
+        d = fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX942)
     assert not d.native and "written for jax" in d.reason
+
+
+# ------------------------------------------------------------------------------------------------
+# The self-check fails safe
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_check_that_cannot_run_falls_back_once_in_auto_and_raises_in_native(fresh, monkeypatch):
+    calls = []
+
+    def broken(dtype, interpret, device=None):
+        calls.append(dtype)
+        raise RuntimeError("HIP error: the check kernel failed to launch")
+
+    monkeypatch.setattr(fp8_cast, "self_check", broken)
+    with pytest.warns(RuntimeWarning, match="could not run .*failed to launch.*using the encoder"):
+        d = fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX942)
+    assert not d.native and "could not run" in d.reason
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # cached: not retried, no second warning
+        assert not fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX942).native
+        with pytest.raises(RuntimeError, match="fp8_cast='native': self-check on rocm gfx942 could not run"):
+            fp8_cast.decide("float8_e4m3fnuz", "native", target=GFX942)
+    assert len(calls) == 1
+
+
+def test_the_check_runs_under_a_transfer_guard(fresh):
+    """The check's own host <-> device copies are explicit: a caller's
+    ``jax.transfer_guard("disallow")`` does not break the user's first FP8 op."""
+    x = jnp.ones((4, 64), jnp.float32)
+    with jax.transfer_guard("disallow"):
+        d = fp8_cast.decide("float8_e4m3fn", "native", target=H200)
+        assert d.native
+        kp.per_token_fp8_quant(x, fp8_cast="native", impl="interpret")
+
+
+def test_the_check_compares_with_host_codes(fresh, monkeypatch):
+    """Both device paths wrong in the same way is still a failure: the reference is ml_dtypes on
+    the host."""
+    real = quant.self_check_codes
+
+    def same_wrong(values, dtype, *, interpret):
+        enc, nat = real(values * 2, dtype, interpret=interpret)
+        return enc, nat
+
+    monkeypatch.setattr(quant, "self_check_codes", same_wrong)
+    with pytest.warns(RuntimeWarning, match="differs from the host's codes"):
+        d = fp8_cast.decide("float8_e4m3fn", "auto", target=H200)
+    assert not d.native and all(e == n != h for _, h, e, n in d.mismatches[:5])
+
+
+def test_one_check_per_format_when_threads_race(fresh, monkeypatch):
+    import threading
+    import time
+
+    calls = []
+    real = fp8_cast.self_check
+
+    def slow(dtype, interpret, device=None):
+        calls.append(dtype)
+        time.sleep(0.2)
+        return real(dtype, interpret=True)
+
+    monkeypatch.setattr(fp8_cast, "self_check", slow)
+    start = threading.Barrier(4)
+    got = []
+
+    def first_call():
+        start.wait()
+        got.append(fp8_cast.decide("float8_e4m3fn", "auto", target=GFX950).native)
+
+    threads = [threading.Thread(target=first_call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [True] * 4 and len(calls) == 1
+
+
+def test_native_refused_where_local_gpus_differ_in_arch(monkeypatch):
+    import types
+
+    monkeypatch.setattr(fp8_cast, "_DECISIONS", {})
+    monkeypatch.setattr(fp8_cast, "_CHECKS", {})
+
+    def dev(kind, cc):
+        client = types.SimpleNamespace(platform="gpu", platform_version="rocm 7.1")
+        return types.SimpleNamespace(platform="gpu", device_kind=kind, compute_capability=cc,
+                                     client=client, core_count=None)
+
+    mixed = [dev("AMD Instinct MI300X", "gfx942"), dev("AMD Instinct MI355X", "gfx950")]
+    monkeypatch.setattr(_compat, "local_devices", lambda: mixed)
+    d = fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX942)
+    assert not d.native and "differ in arch (gfx942, gfx950)" in d.reason
+    with pytest.raises(RuntimeError, match="differ in arch"):
+        fp8_cast.decide("float8_e4m3fnuz", "native", target=GFX942)
+    monkeypatch.setattr(_compat, "local_devices", lambda: mixed[:1])
+    assert fp8_cast._attached(GFX942) is None and fp8_cast._devices_of(GFX942) == mixed[:1]
+
+
+def test_fnuz_patch_checks_the_patched_functions_signature(monkeypatch):
+    from jax._src.pallas.triton import lowering
+
+    monkeypatch.setattr(_compat, "_FNUZ_PATCHED", [])
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lambda module, *a: None)
+    reason = _compat.native_fnuz_cast_unavailable()
+    assert reason and "not jaxpr, grid_mapping" in reason
+    with pytest.raises(RuntimeError, match="not jaxpr, grid_mapping"):
+        _compat.enable_native_fnuz_cast()
+
+
+def test_an_unsupported_jax_warns_once_that_it_uses_the_encoder(monkeypatch):
+    monkeypatch.setattr(fp8_cast, "_DECISIONS", {})
+    monkeypatch.setattr(fp8_cast, "_WARNED", set())
+    monkeypatch.setattr(_compat, "JAX_VERSION", (0, 9, 0))
+    monkeypatch.setattr(_compat, "_FNUZ_PATCHED", [])
+    with pytest.warns(RuntimeWarning, match="written for jax .* uses the integer encoder"):
+        assert not fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX942).native
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX942).native

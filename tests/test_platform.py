@@ -28,7 +28,7 @@ def test_targets():
 def test_current_target_in_abstract_mesh():
     import jax
 
-    with jax.sharding.use_abstract_mesh(testing.abstract_mesh("gfx950", "rocm")):
+    with jax.sharding.use_abstract_mesh(testing.abstract_mesh(*testing.KNOWN_TARGETS["gfx950"])):
         t = platform.current_target()
     assert (t.backend, t.arch, t.warp_size) == ("rocm", "gfx950", 64)
 

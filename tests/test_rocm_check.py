@@ -51,7 +51,7 @@ def test_gate():
 @pytest.mark.parametrize("arch", rocm_check.ARCHS)
 def test_triton_ir_extracted_for_rocm(arch):
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((4096, 1536), (4096, 512), (1536,), (512,))]
-    lowered = testing.lower_for(lambda *a: kp.fused_q_kv_rmsnorm(*a, impl="pallas"), args, arch, "rocm")
+    lowered = testing.lower_for(lambda *a: kp.fused_q_kv_rmsnorm(*a, impl="pallas"), args, *testing.KNOWN_TARGETS[arch])
     (mod,) = testing.triton_ir_modules(lowered)
     assert mod["name"] == "k3pallas_fused_q_kv_rmsnorm" and mod["grid"][0] >= 1
     assert "tt.func public @k3pallas_fused_q_kv_rmsnorm" in mod["ir"]
@@ -62,7 +62,7 @@ def test_64bit_offsets_for_huge_arrays():
     """2**21 rows of 2048 bf16 (8 GiB): the IR indexes with i64; 4096 rows: i32 only."""
     def ir_for(t):
         args = [jax.ShapeDtypeStruct((t, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((2048,), jnp.bfloat16)]
-        lowered = testing.lower_for(lambda *a: kp.rmsnorm(*a, impl="pallas"), args, "gfx942", "rocm")
+        lowered = testing.lower_for(lambda *a: kp.rmsnorm(*a, impl="pallas"), args, *testing.KNOWN_TARGETS["gfx942"])
         return testing.triton_ir_modules(lowered)[0]["ir"]
 
     assert "xi64>" in ir_for(2**21)
@@ -191,7 +191,7 @@ def test_gate_cases():
     assert ops == set(op_table.OPS)  # every op of the table, with no list of its own
     assert {"fused_q_kv_rmsnorm", "rmsnorm_gated_fp8_per_token"} <= FP8_OPS | ops
     fn, args = rocm_check.case_fn(rocm_check.BROKEN)  # the forced launch: 64 rows, 1 wavefront
-    (launch,) = testing.triton_launches(testing.lower_for(fn, args, "gfx942", "rocm").as_text())
+    (launch,) = testing.triton_launches(testing.lower_for(fn, args, *testing.KNOWN_TARGETS["gfx942"]).as_text())
     assert (launch["num_warps"], launch["grid_x"]) == (1, 4096 // 64)
 
 
@@ -202,8 +202,9 @@ def test_deviceless_rocm_patches_refuse_an_unknown_jax(monkeypatch):
 
 
 def test_amd_cost_model(tmp_path):
-    """The estimate's arithmetic on a synthetic gate result: bytes / bandwidth against
-    grid x waves x VALU / (CUs x clock), the larger wins."""
+    """The estimate's arithmetic on synthetic gate results: launch floor + the largest of memory,
+    VALU issue of the busiest CU (wave quantization, quarter-rate transcendentals) and one
+    wavefront's serial chain (per round of resident wavefronts)."""
     import json
 
     from bench import amd_cost
@@ -213,16 +214,37 @@ def test_amd_cost_model(tmp_path):
             "tokens": 65536, "grid": [65536, 1, 1], "num_warps": 1, "instructions": 200,
             "vgpr": 40, "occupancy": 8}
     gate = {"meta": {"devices": devices, "compiler": "test"},
-            "results": [{**base, "fp8_cast": "encoder", "valu": 400},
-                        {**base, "fp8_cast": "native", "valu": 100}]}
+            "results": [{**base, "fp8_cast": "encoder", "valu": 400, "trans": 2},
+                        {**base, "fp8_cast": "native", "valu": 100, "trans": 2}]}
     (row,) = amd_cost.table(gate)
+    e = row["encoder"]
     mem = (65536 * 4096 * 3 + 4 * 65536) / 4.2e12 * 1e6
-    assert abs(row["encoder"]["memory_us"] - mem) < 1e-9
-    assert abs(row["encoder"]["valu_us"] - 65536 * 400 / (304 * 2.1e9) * 1e6) < 1e-9
-    assert row["encoder"]["bound"] == "memory" and row["encoder"]["predicted_us"] == row["encoder"]["memory_us"]
+    assert abs(e["memory_us"] - mem) < 1e-9
+    per_cu = -(-65536 // 304)  # 216 waves on the busiest CU
+    assert abs(e["valu_us"] - per_cu * (400 + 3 * 2) / 2100) < 1e-9
+    rounds = -(-per_cu // (8 * 4))
+    assert abs(e["serial_us"] - rounds * ((4 * 400 + 12 * 2) / 2100 + 2 * amd_cost.HBM_LATENCY_US)) < 1e-9
+    assert e["bound"] == "memory" and e["predicted_us"] == amd_cost.LAUNCH_FLOOR_US + e["memory_us"]
+    # Decode: one token, one program of 16 wavefronts: the serial chain and the floor decide.
+    one = {**base, "tokens": 1, "grid": [1, 1, 1], "num_warps": 16}
+    (row,) = amd_cost.table({**gate, "results": [{**one, "fp8_cast": c, "valu": v, "trans": 2}
+                                                 for c, v in (("encoder", 400), ("native", 100))]})
+    d = row["encoder"]
+    assert d["bound"] == "serial" and d["predicted_us"] > amd_cost.LAUNCH_FLOOR_US + 2 * amd_cost.HBM_LATENCY_US
     path = tmp_path / "gate.json"
     path.write_text(json.dumps(gate))
     assert amd_cost.main(["--gate", str(path), "--out", str(tmp_path)]) == 0
     assert "ESTIMATE" in (tmp_path / "amd_cost_model.md").read_text()
     path.write_text(json.dumps({"meta": {}, "results": []}))
     assert amd_cost.main(["--gate", str(path), "--out", str(tmp_path)]) == 2
+
+
+def test_the_gate_fails_a_wrong_format_or_too_many_threads():
+    row = {"arch": "gfx942", "sharded": "named", "op": "per_token_fp8_quant", "config": "c",
+           "tokens": 8, "kernel": "k3pallas_per_token_fp8_quant", "fp8_cast": "native",
+           "fp8_formats": ["f8e4m3fnuz"], "fp8_cvt": ["v_cvt_pk_fp8_f32"], "threads": 256,
+           "vgpr_spill": 0, "sgpr_spill": 0, "scratch": 0, "occupancy": 8}
+    assert rocm_check.problems(row) == []
+    assert rocm_check.problems({**row, "fp8_formats": ["f8e4m3fn"]})
+    assert rocm_check.problems({**row, "fp8_cvt": []})
+    assert rocm_check.problems({**row, "threads": 2048})

@@ -22,11 +22,12 @@ def gate(tmp_path_factory):
                             "--tokens", "64", "--ops", "rmsnorm,rmsnorm_gated_fp8_per_token,per_token_fp8_quant",
                             "--no-programs", "--out", str(out)])
     with open(out / "rocm_check.json") as f:
-        return code, json.load(f)["results"]
+        data = json.load(f)
+    return code, data["results"], data["sharded"]
 
 
 def test_a_broken_kernel_fails_the_gate(gate):
-    code, results = gate
+    code, results, _ = gate
     assert code == 1
     failing = [r for r in results if rocm_check.problems(r)]
     assert failing and all(r.get("broken") for r in failing)
@@ -36,7 +37,7 @@ def test_a_broken_kernel_fails_the_gate(gate):
 
 
 def test_every_other_kernel_passes_on_both_archs(gate):
-    _, results = gate
+    _, results, _ = gate
     good = [r for r in results if not r.get("broken")]
     assert {r["arch"] for r in good} == set(rocm_check.ARCHS)
     assert len(good) == 2 * (1 + 2 * 3 + 2)  # rmsnorm; gated FP8 x 3 configs x 2 casts; quant x 2
@@ -46,7 +47,7 @@ def test_every_other_kernel_passes_on_both_archs(gate):
 def test_native_fp8_conversion_instructions(gate):
     """The native path emits the hardware conversion (gfx942: fnuz, gfx950: OCP fn); the encoder
     path none, and more instructions."""
-    _, results = gate
+    _, results, _ = gate
     want = {"gfx942": "v_cvt_pk_fp8_f32", "gfx950": "v_cvt_scalef32_pk_fp8_f32"}
     fp8 = [r for r in results if r.get("fp8_cast")]
     for r in fp8:
@@ -58,14 +59,24 @@ def test_native_fp8_conversion_instructions(gate):
     assert all(r.get("undecoded", 0) == 0 for r in results)
 
 
-def test_a_design_variant_compiles_its_own_kernels(tmp_path):
-    """``--variant``: the worker compiles a ``bench.ab`` variant's kernels (here a persistent grid
-    of 8 programs per CU), not main's (one program per row: grid 4096)."""
-    assert rocm_check.main(["--env-dir", os.path.dirname(ENV), "--tokens", "4096", "--ops",
-                            "per_token_fp8_quant", "--no-programs", "--variant", "persistent8",
-                            "--out", str(tmp_path)]) == 0
-    with open(tmp_path / "rocm_check.json") as f:
-        data = json.load(f)
-    assert data["meta"]["variant"] == "persistent8"
-    for r in data["results"]:
-        assert r["grid"][0] == 8 * data["meta"]["devices"][r["arch"]]["core_count"], r
+def test_sharded_programs_on_the_8_gpu_topology(gate):
+    """shard_map and jit with NamedSharding over 8 topology devices, traced with no k3pallas
+    override: each kernel in the arch's FP8 format, with the native conversion, within 1024
+    threads, without spills, at occupancy >= 4; the cross-device scale's all-reduce where heads
+    or columns are sharded."""
+    _, _, rows = gate
+    fmt = {"gfx942": "f8e4m3fnuz", "gfx950": "f8e4m3fn"}
+    assert {r["arch"] for r in rows} == set(rocm_check.ARCHS)
+    assert {(r["sharded"], r["op"]) for r in rows} == {
+        (m, op) for m in rocm_check.SHARDINGS
+        for op in ("rmsnorm", "rmsnorm_gated_fp8_per_token", "per_token_fp8_quant")}
+    for r in rows:
+        assert not rocm_check.problems(r), r
+        assert r["target"] == f"rocm {r['arch']}" and r["threads"] <= 1024
+        if r["op"] != "rmsnorm":
+            assert r["fp8_formats"] == [fmt[r["arch"]]], r
+        if r["sharded"] == "named" and r["op"] != "rmsnorm":
+            assert "all-reduce" in r["collectives"], r
+    codes = [r for r in rows if r["op"] != "rmsnorm" and not r["kernel"].endswith("_scale_only")]
+    assert codes and all(rocm_check.NATIVE_CVT[r["arch"]] in r["fp8_cvt"] for r in codes)
+

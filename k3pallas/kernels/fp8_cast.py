@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import threading
 import warnings
 
 import jax
@@ -73,16 +74,28 @@ def decisions() -> list[CastDecision]:
     return list(_DECISIONS.values())
 
 
-def resolve_mode(fp8_cast) -> str:
-    """``fp8_cast``, else ``$K3PALLAS_FP8_CAST``, else "auto"; ValueError for anything else."""
-    if fp8_cast is None:
-        fp8_cast = os.environ.get(ENV_VAR, "").strip() or "auto"
-        if fp8_cast not in MODES:
-            raise ValueError(f"environment variable {ENV_VAR}={fp8_cast!r}: expected one of {MODES}")
-    if not isinstance(fp8_cast, str) or fp8_cast not in MODES:
+def check_mode(fp8_cast):
+    """The ``fp8_cast`` argument as given (None: decided later from the environment);
+    ValueError for anything but None or one of ``MODES``."""
+    if fp8_cast is not None and (not isinstance(fp8_cast, str) or fp8_cast not in MODES):
         raise ValueError(f"fp8_cast must be one of {MODES} (or None: ${ENV_VAR}, else 'auto'); "
                          f"got {fp8_cast!r}")
     return fp8_cast
+
+
+def resolve_mode(fp8_cast) -> str:
+    """``fp8_cast``, else ``$K3PALLAS_FP8_CAST`` (case and surrounding spaces ignored), else
+    "auto". ValueError for anything else, and for "native_unchecked" from the environment (an
+    ahead-of-time choice: tools pass it as an argument; a variable left set would skip the
+    self-check at run time)."""
+    if fp8_cast is None:
+        raw = os.environ.get(ENV_VAR, "")
+        fp8_cast = raw.strip().lower() or "auto"
+        if fp8_cast not in MODES or fp8_cast == "native_unchecked":
+            allowed = tuple(m for m in MODES if m != "native_unchecked")
+            raise ValueError(f"environment variable {ENV_VAR}={raw!r}: expected one of {allowed} "
+                             "('native_unchecked' only as the fp8_cast argument)")
+    return check_mode(fp8_cast)
 
 
 def native_unavailable(target: platform.Target, dtype) -> str | None:
@@ -130,35 +143,62 @@ def check_values(dtype) -> np.ndarray:
     return np.concatenate([vals, np.zeros(n - len(vals), np.float32)])
 
 
-def self_check(dtype, *, interpret: bool) -> tuple:
-    """Run the check kernel on the default device (or in interpret mode); the mismatches as
-    ``((value, encoder code, native code), ...)``, empty when both paths agree bit for bit."""
+def self_check(dtype, *, interpret: bool, device=None) -> tuple:
+    """Run the check kernel on ``device`` (default: jax's default device; or in interpret mode);
+    the mismatches as ``((value, host code, encoder code, native code), ...)``: the values where
+    either path differs from the codes computed on the host (ml_dtypes, the reference of both)."""
     from k3pallas.kernels import quant
 
     values = check_values(dtype)
     if not interpret and jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fnuz):
         _compat.enable_native_fnuz_cast()
     # Compiled ahead and called with a concrete array: it runs now, also while an outer function
-    # is being traced (the first FP8 kernel of a jitted program decides inside its trace).
+    # is being traced (the first FP8 kernel of a jitted program decides inside its trace). The
+    # transfers are explicit and allowed, whatever the caller's jax.transfer_guard.
     run = jax.jit(lambda v: quant.self_check_codes(v, dtype, interpret=interpret))
-    enc, nat = run.lower(jax.ShapeDtypeStruct(values.shape, values.dtype)).compile()(values)
-    enc, nat = np.asarray(enc), np.asarray(nat)
+    with jax.transfer_guard("allow"):
+        placed = jax.device_put(values, device) if device is not None else values
+        compiled = run.lower(jax.ShapeDtypeStruct(values.shape, values.dtype)).compile()
+        enc, nat = jax.device_get(compiled(placed))
+    enc, nat = np.asarray(enc, np.uint8), np.asarray(nat, np.uint8)
+    host = values.astype(jnp.dtype(dtype)).view(np.uint8)
     # NaN in, NaN out: any NaN code of the format counts as the same (XLA's CPU cast, for one,
     # writes e5m2 NaN as 0x7f for either sign where the encoder keeps the sign, 0x7e / 0xfe).
     as_fp8 = lambda c: c.view(jnp.dtype(dtype)).astype(np.float32)  # noqa: E731
-    bad = np.nonzero((enc != nat) & ~(np.isnan(as_fp8(enc)) & np.isnan(as_fp8(nat))))[0]
-    return tuple((float(values[i]), int(enc[i]), int(nat[i])) for i in bad)
+    same = lambda a, b: (a == b) | (np.isnan(as_fp8(a)) & np.isnan(as_fp8(b)))  # noqa: E731
+    bad = np.nonzero(~same(enc, host) | ~same(nat, host))[0]
+    return tuple((float(values[i]), int(host[i]), int(enc[i]), int(nat[i])) for i in bad)
 
 
-def _attached(target: platform.Target) -> bool:
-    """Whether jax's default device is a device of ``target`` (so a check can run there)."""
-    try:
-        device = jax.devices()[0]
-    except RuntimeError:
-        return False
-    here = platform.target_for(device.device_kind, platform.device_platform(device),
-                               getattr(device, "compute_capability", None))
-    return here.backend == target.backend and here.arch == target.arch
+def _devices_of(target: platform.Target) -> list:
+    """The local devices of ``target``'s backend and arch."""
+    out = []
+    for d in _compat.local_devices():
+        try:
+            here = platform.target_of_device(d)
+        except ValueError:
+            continue
+        if here.backend == target.backend and here.arch == target.arch:
+            out.append(d)
+    return out
+
+
+def _attached(target: platform.Target) -> str | None:
+    """None if the self-check can run for ``target`` here, else why not: no local device of that
+    arch, or local GPUs of several arches (one check could not speak for all of them)."""
+    gpus = [d for d in _compat.local_devices() if d.platform != "cpu"]
+    arches = set()
+    for d in gpus:
+        try:
+            arches.add(platform.target_of_device(d).arch)
+        except ValueError:
+            arches.add(d.device_kind)
+    if len(arches) > 1:
+        return (f"the local GPUs differ in arch ({', '.join(sorted(arches))}): one self-check "
+                "cannot speak for all of them")
+    if not _devices_of(target):
+        return f"no {target.arch} device attached to run the self-check on (ahead-of-time compilation)"
+    return None
 
 
 def decide(dtype, fp8_cast=None, *, interpret: bool = False, target=None) -> CastDecision:
@@ -171,6 +211,16 @@ def decide(dtype, fp8_cast=None, *, interpret: bool = False, target=None) -> Cas
     if decision.native and not interpret and jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fnuz):
         _compat.enable_native_fnuz_cast()
     return decision
+
+
+_LOCK = threading.Lock()  # one self-check per (target, format), however many threads trace
+_WARNED: set = set()
+
+
+def _warn_once(key, message):
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"k3pallas: {message}", RuntimeWarning, stacklevel=4)
 
 
 def _decide(dtype, fp8_cast, interpret, target) -> CastDecision:
@@ -186,31 +236,48 @@ def _decide(dtype, fp8_cast, interpret, target) -> CastDecision:
     reason = None if interpret else native_unavailable(target, dtype)
     if reason:
         if mode == "auto":
+            if "written for jax" in reason or "not importable" in reason or "expected fp8" in reason:
+                _warn_once(("jax", where, dtype.name), f"{reason}; {dtype.name} uses the integer encoder")
             return CastDecision(False, mode, where, dtype.name, reason)
         raise RuntimeError(f"fp8_cast={mode!r}: {reason}")
     if mode == "native_unchecked":
         return CastDecision(True, mode, where, dtype.name, "native without a self-check (ahead of time)")
-    if not interpret and not _attached(target):
-        reason = (f"no {target.arch} device attached to run the self-check on "
-                  "(ahead-of-time compilation)")
-        if mode == "auto":
-            return CastDecision(False, mode, where, dtype.name, reason)
-        raise RuntimeError(f"fp8_cast='native': {reason}; use 'native_unchecked' to compile the "
-                           "native path without a check")
+    if not interpret:
+        reason = _attached(target)
+        if reason:
+            if mode == "auto":
+                return CastDecision(False, mode, where, dtype.name, reason)
+            raise RuntimeError(f"fp8_cast='native': {reason}; use 'native_unchecked' to compile the "
+                               "native path without a check")
     key = (where, dtype.name)
-    checked = _CHECKS.get(key)
-    if checked is None:
-        bad = self_check(dtype, interpret=interpret)
-        n = len(check_values(dtype))
-        if bad:
-            shown = ", ".join(f"{v!r}: encoder 0x{e:02x} native 0x{c:02x}" for v, e, c in bad[:6])
-            reason = (f"self-check on {where}: the native {dtype.name} conversion differs from the "
-                      f"encoder on {len(bad)} of {n} values ({shown})")
-            warnings.warn(f"k3pallas: {reason}; using the encoder", RuntimeWarning, stacklevel=3)
-        else:
-            reason = f"self-check on {where}: native and encoder agree on all {n} values"
-        checked = CastDecision(not bad, "auto", where, dtype.name, reason, bad)
-        _CHECKS[key] = checked
+    with _LOCK:
+        checked = _CHECKS.get(key)
+        if checked is None:
+            checked = _run_check(target, dtype, where, interpret)
+            _CHECKS[key] = checked
     if mode == "native" and not checked.native:
         raise RuntimeError(f"fp8_cast='native': {checked.reason}")
     return dataclasses.replace(checked, mode=mode)
+
+
+def _run_check(target, dtype, where, interpret) -> CastDecision:
+    """The self-check's decision; a check that cannot compile or run decides the encoder (with
+    one warning naming the cause), it never fails the user's op."""
+    n = len(check_values(dtype))
+    try:
+        device = None if interpret else _devices_of(target)[0]
+        bad = self_check(dtype, interpret=interpret, device=device)
+    except Exception as e:  # noqa: BLE001 - any failure of the check means: do not trust native
+        reason = (f"self-check on {where} could not run ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+        _warn_once(("check", where, dtype.name), f"{reason}; using the encoder for {dtype.name}")
+        return CastDecision(False, "auto", where, dtype.name, reason)
+    if bad:
+        shown = ", ".join(f"{v!r}: host 0x{h:02x} encoder 0x{e:02x} native 0x{c:02x}"
+                          for v, h, e, c in bad[:6])
+        reason = (f"self-check on {where}: the native {dtype.name} conversion or the encoder "
+                  f"differs from the host's codes on {len(bad)} of {n} values ({shown})")
+        _warn_once(("check", where, dtype.name), f"{reason}; using the encoder")
+        return CastDecision(False, "auto", where, dtype.name, reason, bad)
+    return CastDecision(True, "auto", where, dtype.name,
+                        f"self-check on {where}: native, encoder and host agree on all {n} values")

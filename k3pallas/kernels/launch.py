@@ -61,7 +61,6 @@ _ELEMS_PER_PROGRAM = 4096
 _ELEMS_PER_THREAD_LATENCY = 8
 _ELEMS_PER_THREAD_THROUGHPUT = {"cuda": 32, "rocm": 16}
 _PROGRAMS_PER_CORE_THROUGHPUT = 4
-_MAX_THREADS = 1024
 _MAX_ROWS = 64
 _INTERPRET_ROWS = 16
 
@@ -100,7 +99,7 @@ def heuristic_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: i
                   else _ELEMS_PER_THREAD_LATENCY)
     warp = max(1, target.warp_size)
     threads = max(1, rows * max_tile_row_elems // per_thread)
-    num_warps = _pow2_floor(max(1, min(threads, _MAX_THREADS) // warp))
+    num_warps = _pow2_floor(max(1, min(threads, target.max_threads) // warp))
     return LaunchConfig(rows_per_program=rows, num_warps=num_warps, num_stages=1)
 
 
@@ -175,16 +174,25 @@ def launch_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int 
     """The launch config for ``op`` on ``target`` (default: ``current_target()``). ``splits``:
     the ``LaunchConfig.split`` values above 1 that this kernel can run for this row (a tuned
     entry with another is skipped; a forced one reaches ``common.row_call``, which refuses a
-    split the kernel does not launch)."""
+    split the kernel does not launch).
+
+    Whatever its source (forced, tuned table, heuristic), a config with more threads per program
+    (``num_warps * warp_size``) than the target allows (``Target.max_threads``, 1024) is a
+    ValueError: such a launch is invalid on the device (AMD: 32 warps are 2048 threads)."""
     from k3pallas import kernels
 
     if op not in kernels.ops():
         raise ValueError(f"unknown op {op!r}; the kernels launch {kernels.ops()}")
     target = current_target() if target is None else target
     max_tile_row_elems = row_elems if max_tile_row_elems is None else max_tile_row_elems
-    config = _FORCED.get()
+    config, source = _FORCED.get(), "forced"
     if config is None:
-        config = _choose(op, n_rows, row_elems, max_tile_row_elems, target, splits)
+        config, source = _choose(op, n_rows, row_elems, max_tile_row_elems, target, splits)
+    threads = config.num_warps * target.warp_size
+    if threads > target.max_threads:
+        raise ValueError(f"{op}: the {source} launch config {config} has {threads} threads per "
+                         f"program on {target.arch} (warp {target.warp_size}); the limit is "
+                         f"{target.max_threads}")
     log = _RECORDING.get()
     if log is not None:
         log.append(Launch(op, n_rows, row_elems, max_tile_row_elems, config))
@@ -196,5 +204,5 @@ def _choose(op, n_rows, row_elems, max_tile_row_elems, target, splits) -> Launch
         split = split[0] if split else 1
         if elems == row_elems and n_rows <= max_rows and (split == 1 or split in splits):
             rows = min(rows, _pow2_ceil(max(1, n_rows)))
-            return LaunchConfig(rows, warps, stages, split)
-    return heuristic_config(op, n_rows, row_elems, max_tile_row_elems, target)
+            return LaunchConfig(rows, warps, stages, split), "tuned"
+    return heuristic_config(op, n_rows, row_elems, max_tile_row_elems, target), "heuristic"

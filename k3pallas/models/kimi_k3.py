@@ -87,11 +87,13 @@ def init_mla_out(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16, fp8_dtype=None,
     return {"w_o": w_o, "w_o_fp8": w8, "w_o_scale": ws}
 
 
-def mla_out_fp8(params: dict, attn, gate, *, impl: str = "auto", out_dtype=jnp.bfloat16):
+def mla_out_fp8(params: dict, attn, gate, *, impl: str = "auto", out_dtype=jnp.bfloat16,
+                fp8_cast=None):
     """``attn, gate [T, H * 128]`` -> ``[T, hidden]``: Kimi-K3's MLA output gate
     ``attn * sigmoid(gate)`` fused with per-token FP8 (``sigmoid_mul_fp8_per_token``, one
-    launch), then the FP8 o_proj."""
-    qa = kp.sigmoid_mul_fp8_per_token(attn, gate, fp8_dtype=params["w_o_fp8"].dtype, impl=impl)
+    launch), then the FP8 o_proj. ``fp8_cast``: passed to the FP8 op."""
+    qa = kp.sigmoid_mul_fp8_per_token(attn, gate, fp8_dtype=params["w_o_fp8"].dtype,
+                                      fp8_cast=fp8_cast, impl=impl)
     return kp.fp8_linear(qa, params["w_o_fp8"], params["w_o_scale"], out_dtype=out_dtype,
                          w_layout="nk")
 
@@ -141,19 +143,18 @@ def init_kda_out(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16, fp8_dtype=None)
 
 
 def kda_out_fp8(params: dict, o, gate, *, cfg: Config = KIMI_K3, impl: str = "auto",
-                fused: bool = True, out_dtype=jnp.bfloat16):
+                fused: bool = True, out_dtype=jnp.bfloat16, fp8_cast=None):
     """``o, gate [T, H, 128]`` -> ``[T, hidden]``: gated norm + per-token FP8 + FP8 o_proj.
 
     ``fused=False`` runs the unfused k3pallas path (``rmsnorm_gated`` to bf16, then
-    ``per_token_fp8_quant``), for the benchmark.
+    ``per_token_fp8_quant``), for the benchmark. ``fp8_cast``: passed to the FP8 op.
     """
-    fp8_dtype = params["w_o_fp8"].dtype
+    fp8 = dict(fp8_dtype=params["w_o_fp8"].dtype, fp8_cast=fp8_cast, impl=impl)
     if fused:
-        qa = kp.rmsnorm_gated_fp8_per_token(o, params["norm"], gate, cfg.kda_eps,
-                                            fp8_dtype=fp8_dtype, impl=impl)
+        qa = kp.rmsnorm_gated_fp8_per_token(o, params["norm"], gate, cfg.kda_eps, **fp8)
     else:
         y = kp.rmsnorm_gated(o, params["norm"], gate, cfg.kda_eps, impl=impl)
-        qa = kp.per_token_fp8_quant(y.reshape(y.shape[0], -1), fp8_dtype=fp8_dtype, impl=impl)
+        qa = kp.per_token_fp8_quant(y.reshape(y.shape[0], -1), **fp8)
     return kp.fp8_linear(qa, params["w_o_fp8"], params["w_o_scale"], out_dtype=out_dtype,
                          w_layout="nk")
 
