@@ -32,7 +32,7 @@ def paths(tokens: int, k: int, n: int, impl: str):
     fp8 = kp.default_fp8_dtype()
     x = jax.random.normal(keys[1], (tokens, k), bf)
     w = jax.random.normal(keys[2], (k, n), bf) * 0.02
-    w8, ws = kp.quantize_weight_per_channel(w, fp8_dtype=fp8)
+    w8, ws = kp.quantize_weight_per_channel(w, fp8_dtype=fp8, w_layout="kn")
     qa = kp.per_token_fp8_quant(x, fp8_dtype=fp8, impl="reference")
     w8_nk, _ = kp.quantize_weight_per_channel(w, fp8_dtype=fp8, w_layout="nk")
 

@@ -113,17 +113,21 @@ def markdown(records: list[dict], env: dict) -> str:
     clock = "device time per call (median), from jax.profiler traces" if gpu else (
         "CPU WALL-CLOCK time per call (median), interpret mode for k3pallas: NOT kernel "
         "performance, only a check that the command works")
+    if gpu:
+        about = ("GB/s counts each input read once and each output written once; % copy = copy "
+                 "time / variant time for the same bytes (copy: the faster of XLA's device memcpy "
+                 "and an XLA copy kernel). `us (n)`: time and kernels launched per call. Inputs "
+                 "rotate over enough sets to miss the cache. FP8 conversion: "
+                 + ("; ".join(f"{d['dtype']} on {d['target']}: {'native' if d['native'] else 'encoder'} "
+                              f"({d['reason']})" for d in env.get("fp8_cast_decisions", [])
+                              if d["mode"] != "encoder") or "-")
+                 + " (`encoder` column: the same kernel with the integer encoder). `R, warps`: "
+                 "rows per program and warps (`, 2`: q and kv on two programs of a row block).")
+    else:
+        about = ("`us (n)`: time per call (n = 0: kernels are not counted on the CPU). The "
+                 "bandwidth columns are left out: on the CPU they say nothing of the kernels.")
     out = [f"# k3pallas benchmark: {env['device_kind']} ({env['arch']}), jax {env['jax']}",
-           "", f"Times: {clock}. GB/s counts each input read once and each output written once; "
-           "% copy = copy time / variant time for the same bytes (copy: the faster of XLA's "
-           "device memcpy and an XLA copy kernel). `us (n)`: time and kernels launched per call "
-           f"(n = 0: wall-clock, not counted). Inputs rotate over enough sets to miss the cache. "
-           f"Commit {env.get('git_commit') or '?'}, {env['date']}. FP8 conversion: "
-           + ("; ".join(f"{d['dtype']} on {d['target']}: {'native' if d['native'] else 'encoder'} "
-                        f"({d['reason']})" for d in env.get("fp8_cast_decisions", [])
-                        if d["mode"] != "encoder") or "-")
-           + " (`encoder` column: the same kernel with the integer encoder). `R, warps`: rows "
-           "per program and warps (`, 2`: q and kv on two programs of a row block).", ""]
+           "", f"Times: {clock}. {about} Commit {env.get('git_commit') or '?'}, {env['date']}.", ""]
     if env.get("cases_done") is not None and env["cases_done"] < env["cases"]:
         out += [f"**PARTIAL RUN: {env['cases_done']} of {env['cases']} cases measured** (the run "
                 "was stopped before the rest).", ""]
@@ -134,22 +138,23 @@ def markdown(records: list[dict], env: dict) -> str:
         variants = [v for v in ("encoder", "unfused", "xla", "bf16") if any(v in d for d in by_t.values())]
         out.append(f"## {op} · {cfg} · {dtype}")
         out.append("")
-        head = ["T", "k3pallas us (n)", "GB/s", "% copy"]
+        head = ["T", "k3pallas us (n)"] + (["GB/s", "% copy"] if gpu else [])
         head += [f"{v} us (n)" for v in variants] + [f"x vs {v}" for v in variants]
-        head += ["copy us", "R, warps"]
+        head += ["copy us", "R, warps"] if gpu else []
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "---|" * len(head))
         for t in sorted(by_t):
             d = by_t[t]
             k = d["k3pallas"]
-            cells = [str(t), f"{k['median_us']:.2f} ({k['kernels_per_call']})",
-                     _fmt_gbs(k["gb_per_s"]), _fmt(k["pct_of_copy"], ".0f")]
+            cells = [str(t), f"{k['median_us']:.2f} ({k['kernels_per_call']})"]
+            cells += [_fmt_gbs(k["gb_per_s"]), _fmt(k["pct_of_copy"], ".0f")] if gpu else []
             cells += [f"{d[v]['median_us']:.2f} ({d[v]['kernels_per_call']})" for v in variants]
             cells += [f"{d[v]['median_us'] / k['median_us']:.2f}" for v in variants]
             lc = k.get("launch_config")
             split = f", {lc['split']}" if lc and lc.get("split", 1) > 1 else ""
-            cells += [f"{d['copy']['median_us']:.2f}",
-                      f"{lc['rows_per_program']}, {lc['num_warps']}{split}" if lc else "-"]
+            if gpu:
+                cells += [f"{d['copy']['median_us']:.2f}",
+                          f"{lc['rows_per_program']}, {lc['num_warps']}{split}" if lc else "-"]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
@@ -221,7 +226,13 @@ def main(argv=None) -> int:
         if o not in shapes.OP_CONFIGS:
             raise SystemExit(f"unknown op {o!r}; known: {', '.join(shapes.OPS)}")
     if args.tokens:
-        tokens = [int(t) for t in args.tokens.split(",")]
+        try:
+            tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+        except ValueError:
+            raise SystemExit(f"--tokens: expected whole numbers >= 1 separated by commas, got "
+                             f"{args.tokens!r}") from None
+        if not tokens or min(tokens) < 1:
+            raise SystemExit(f"--tokens: expected whole numbers >= 1, got {args.tokens!r}")
     elif args.quick:
         tokens = list(shapes.QUICK_TOKENS)
     else:
@@ -253,10 +264,12 @@ def main(argv=None) -> int:
         recs = measure(case, gpu, calls, target)
         records += recs
         k = next(r for r in recs if r["variant"] == "k3pallas")
-        kernels = (f"{k['kernels_per_call']} kernels" if gpu else
-                   "wall-clock: kernels not counted on the CPU")
-        _log(f"[{i}/{len(jobs)} {time.time() - t_start:6.1f}s] {op} {cfg} T={t}: k3pallas "
-             f"{k['median_us']:.2f} us ({kernels}), {_fmt(k['pct_of_copy'], '.0f')}% of copy")
+        elapsed = time.time() - t_start
+        left = elapsed / i * (len(jobs) - i)
+        detail = (f"{k['kernels_per_call']} kernels, {_fmt(k['pct_of_copy'], '.0f')}% of copy"
+                  if gpu else "CPU wall-clock")
+        _log(f"[{i}/{len(jobs)} {elapsed:6.1f}s, ~{left:.0f}s left] {op} {cfg} T={t}: k3pallas "
+             f"{k['median_us']:.2f} us ({detail})")
         env["cases_done"] = i
         env["fp8_cast_decisions"] = [dataclasses.asdict(d) for d in kp.fp8_cast_decisions()]
         md = markdown(records, env)

@@ -144,9 +144,13 @@ def _check_fused(op, q_c, kv_c, q_weight, kv_weight, eps, kv_eps):
 
 
 def _check_size(op, name, value, minimum):
-    """A static integer option (any ``numbers.Integral``, e.g. ``np.int64``; not bool) as int."""
+    """A static integer option (any ``numbers.Integral``, e.g. ``np.int64``; not bool) as int:
+    TypeError for an array or traced value (as for eps), ValueError for anything else."""
+    if isinstance(value, (jax.Array, jax.core.Tracer)):
+        raise TypeError(f"{op}: {name} must be a Python int (a static option), got "
+                        f"{type(value).__name__}")
     if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
-            or isinstance(value, jax.Array) or value < minimum):
+            or value < minimum):
         raise ValueError(f"{op}: {name} must be an integer >= {minimum} (a static option), "
                          f"got {value!r}")
     return int(value)

@@ -177,6 +177,9 @@ class QuantizedActivation(NamedTuple):
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """``data.astype(float32) * scale`` per column group, cast to ``dtype``; ``[..., N]``."""
+        if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+            raise TypeError(f"QuantizedActivation.dequantize: dtype must be floating, got "
+                            f"{jnp.dtype(dtype).name} (the values are not integers)")
         n, groups = self.data.shape[-1], self.scale.shape[-1]
         if self.scale.shape[:-1] != self.data.shape[:-1] or groups < 1 or n % groups:
             raise ValueError(f"QuantizedActivation: scale {tuple(self.scale.shape)} does not fit "

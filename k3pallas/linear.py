@@ -11,15 +11,16 @@ in one XLA elementwise fusion.
 
 from __future__ import annotations
 
+import numbers
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from k3pallas import fp8 as fp8_lib, platform
 from k3pallas._checks import FLOAT_DTYPES as _FLOATS
 
-__all__ = ["quantize_weight_per_channel", "fp8_linear"]
-
-
+__all__ = ["QuantizedWeight", "quantize_weight_per_channel", "fp8_linear"]
 
 W_LAYOUTS = ("kn", "nk")
 
@@ -29,24 +30,59 @@ def _check_layout(op, w_layout):
         raise ValueError(f"{op}: w_layout must be 'kn' or 'nk', got {w_layout!r}")
 
 
-def quantize_weight_per_channel(w, *, fp8_dtype=None, fp8_max=None, w_layout="kn"):
+@jax.tree_util.register_pytree_node_class
+class QuantizedWeight:
+    """A per-channel FP8 weight with its layout: ``data`` fp8, ``[K, N]`` (``layout="kn"``) or
+    ``[N, K]`` (``"nk"``); ``scale [N]`` float32. A pytree (``layout`` is static), so it passes
+    through ``jax.jit``; ``fp8_linear`` reads the layout from it, so the two cannot disagree.
+    ``w8, w_scale = qw`` unpacks the arrays (``fp8_linear`` then needs ``w_layout=``)."""
+
+    def __init__(self, data, scale, layout: str):
+        _check_layout("QuantizedWeight", layout)
+        self.data, self.scale, self.layout = data, scale, layout
+
+    def tree_flatten(self):
+        return (self.data, self.scale), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls(*children, layout)
+
+    def __iter__(self):
+        return iter((self.data, self.scale))
+
+    def __repr__(self):
+        return (f"QuantizedWeight(data={getattr(self.data, 'shape', '?')} "
+                f"{getattr(self.data, 'dtype', '?')}, layout={self.layout!r})")
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The ``[K, N]`` weight ``data * scale`` (whatever the stored layout), in ``dtype``."""
+        w = self.data.astype(jnp.float32)
+        w = w if self.layout == "kn" else w.T
+        return (w * self.scale).astype(dtype)
+
+
+def quantize_weight_per_channel(w, *, fp8_dtype=None, fp8_max=None, w_layout="nk"):
     """Symmetric per-output-channel FP8 quantization of a weight ``w [K, N]`` (``x @ w``).
 
     ``w_scale[n] = max_k |w[k, n]| / fp8_max`` and ``w_fp8 = round_to_nearest_even(w / w_scale)``;
-    a column of zeros gets ``w_scale = 1`` (and zero codes); a column holding NaN gets a NaN scale.
+    a column of zeros gets ``w_scale = 1`` (and zero codes); a column holding NaN gets a NaN scale;
+    a column holding an infinity gets ``w_scale = inf`` (its finite entries' codes 0, the
+    infinite ones NaN): such a weight has no FP8 form.
 
     Args:
       w: ``[K, N]`` float16 / bfloat16 / float32.
       fp8_dtype: default by device (``k3pallas.default_fp8_dtype``: e4m3fnuz on MI300-class
         gfx94x, e4m3fn elsewhere).
       fp8_max: default the format's per-token default (448 e4m3fn, 224 e4m3fnuz, 57344 e5m2).
-      w_layout: how ``w_fp8`` is stored: ``"kn"`` (default, ``[K, N]`` like ``w``) or ``"nk"``
-        (``[N, K]``, transposed once here). Pass the same to ``fp8_linear``. Use ``"nk"`` for
-        speed: the FP8 GEMMs of cuBLASLt (Hopper) and hipBLASLt read the weight with K
-        contiguous, so with ``"kn"`` XLA transposes the weight in every call (on an H200, a
-        4096 x 12288 x 7168 o_proj took 1061 us with ``"kn"`` and 501 us with ``"nk"``).
+      w_layout: how the codes are stored: ``"nk"`` (default, ``[N, K]``, transposed once here)
+        or ``"kn"`` (``[K, N]`` like ``w``). ``"nk"`` is the fast one: the FP8 GEMMs of
+        cuBLASLt (Hopper) and hipBLASLt read the weight with K contiguous, so with ``"kn"`` XLA
+        transposes the weight in every call (on an H200, a 4096 x 12288 x 7168 o_proj took
+        1061 us with ``"kn"`` and 501 us with ``"nk"``).
 
-    Returns: ``(w_fp8, w_scale [N] float32)``; ``w_fp8`` is ``[K, N]`` or ``[N, K]`` as asked.
+    Returns: ``QuantizedWeight(data, scale [N] float32, layout)``: pass it to ``fp8_linear`` as
+    it is (``w8, ws = ...`` also unpacks the two arrays).
     """
     op = "quantize_weight_per_channel"
     if not hasattr(w, "shape") or not hasattr(w, "dtype"):
@@ -65,10 +101,10 @@ def quantize_weight_per_channel(w, *, fp8_dtype=None, fp8_max=None, w_layout="kn
     scale = jnp.where(amax > 0, amax / q.fp8_max, 1.0)
     scale = jnp.where(jnp.any(jnp.isnan(wf), axis=0), jnp.nan, scale)
     codes = jnp.clip(wf / scale, -q.fp8_max, q.fp8_max).astype(q.dtype)
-    return (codes if w_layout == "kn" else codes.T), scale.astype(jnp.float32)
+    return QuantizedWeight(codes if w_layout == "kn" else codes.T, scale.astype(jnp.float32), w_layout)
 
 
-def fp8_linear(qa, w_fp8, w_scale, *, out_dtype=jnp.bfloat16, w_layout="kn", precision=None):
+def fp8_linear(qa, w_fp8, w_scale=None, *, out_dtype=jnp.bfloat16, w_layout=None, precision=None):
     """``dequant(qa) @ dequant(w)``: an FP8 x FP8 matmul with float32 accumulation.
 
     Args:
@@ -77,12 +113,14 @@ def fp8_linear(qa, w_fp8, w_scale, *, out_dtype=jnp.bfloat16, w_layout="kn", pre
         of ``data`` (``G = 1``: the per-token scale of ``per_token_fp8_quant`` and
         ``rmsnorm_gated_fp8_per_token``; ``G > 1``: one scale per head group, see
         ``rmsnorm_gated_fp8_per_token(scale_groups=...)``).
-      w_fp8: ``[K, N]`` (``w_layout="kn"``) or ``[N, K]`` (``"nk"``, the fast one: see
-        ``quantize_weight_per_channel``), in the same fp8 dtype as ``data``.
-      w_scale: ``[N]`` float32 (per output channel, as ``quantize_weight_per_channel`` gives) or
-        a scalar.
+      w_fp8: the ``QuantizedWeight`` of ``quantize_weight_per_channel`` (its scale and layout
+        come with it); or a bare fp8 array ``[K, N]`` (``w_layout="kn"``) or ``[N, K]``
+        (``"nk"``), in the same fp8 dtype as ``data``, with ``w_scale`` and ``w_layout``.
+      w_scale: with a bare ``w_fp8`` only: ``[N]`` float32 (per output channel) or a scalar
+        (a Python float or a 0-d / ``[1]`` float32 array).
       out_dtype: float16, bfloat16 (default) or float32.
-      w_layout: ``"kn"`` (default) or ``"nk"``, as ``w_fp8`` is stored.
+      w_layout: with a bare ``w_fp8``, required: ``"kn"`` or ``"nk"``, as it is stored (there is
+        no default, so that a square weight cannot be read transposed by mistake).
       precision: passed to ``dot_general`` (default None: XLA's default). XLA maps it onto the
         FP8 GEMM's accumulation mode; see the README for what was measured on an H200.
 
@@ -92,6 +130,18 @@ def fp8_linear(qa, w_fp8, w_scale, *, out_dtype=jnp.bfloat16, w_layout="kn", pre
     with ``G > 1`` it is one batched matmul over the groups and a sum.
     """
     op = "fp8_linear"
+    if isinstance(w_fp8, QuantizedWeight):
+        if w_scale is not None:
+            raise TypeError(f"{op}: w_scale comes with the QuantizedWeight; do not pass it too")
+        if w_layout not in (None, w_fp8.layout):
+            raise ValueError(f"{op}: w_layout={w_layout!r} contradicts the QuantizedWeight's "
+                             f"layout {w_fp8.layout!r}")
+        w_fp8, w_scale, w_layout = w_fp8.data, w_fp8.scale, w_fp8.layout
+    elif w_layout is None or w_scale is None:
+        raise TypeError(f"{op}: a bare weight array needs w_scale and w_layout ('kn' or 'nk', as "
+                        "it is stored); or pass the QuantizedWeight of quantize_weight_per_channel")
+    if isinstance(w_scale, numbers.Real) and not isinstance(w_scale, bool):
+        w_scale = jnp.float32(w_scale)
     try:
         data, scale = qa
     except (TypeError, ValueError):

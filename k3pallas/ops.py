@@ -272,6 +272,14 @@ def _call(op: Op, impl, arrays, options, originals):
               if t[0] == "..." and t[-1] in fixed]
     sharding.check_call_shardings(name, impl, rows, checks)
     ref = functools.partial(op.reference, **options)
+    if op.fp8:  # what the kernels cannot index is refused whatever the implementation
+        from k3pallas.kernels import common
+
+        for out in jax.tree_util.tree_leaves(jax.eval_shape(ref, *arrays)):
+            try:
+                common.check_offsets(out.shape, out.dtype)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
     if impl == "reference":
         return _inference_only(name, ref, *arrays)
     if math.prod(arrays[0].shape[:arrays[0].ndim - (len(ins[0]) - 1)]) == 0:

@@ -25,7 +25,7 @@ def test_quantize_weight_per_channel(rng, name, wdtype):
     w = rng.standard_normal((k, n)) * rng.uniform(1e-3, 1e2, n)
     w[:, 3] = 0.0  # a zero column
     w = jnp.asarray(w, wdtype)
-    w8, ws = jax.jit(lambda a: kp.quantize_weight_per_channel(a, fp8_dtype=name))(w)
+    w8, ws = jax.jit(lambda a: kp.quantize_weight_per_channel(a, fp8_dtype=name, w_layout="kn"))(w)
     assert w8.shape == (k, n) and w8.dtype == jnp.dtype(name)
     assert ws.shape == (n,) and ws.dtype == jnp.float32
     w64 = f64(w)
@@ -94,9 +94,10 @@ def test_fp8_linear_against_oracle(rng, name, groups, lead, w_layout):
 def test_fp8_linear_scalar_weight_scale(rng):
     qa = kp.per_token_fp8_quant(jnp.asarray(rng.standard_normal((3, 64)), jnp.float32), impl="reference")
     w8 = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32).astype(jnp.float8_e4m3fn)
-    out = kp.fp8_linear(qa, w8, jnp.float32(0.5), out_dtype=jnp.float32)
     ref, mag = _oracle(qa.data, qa.scale, w8, np.float64(0.5))
-    assert np.all(np.abs(f64(out) - ref) <= 1e-5 * mag)
+    for scalar in (jnp.float32(0.5), 0.5):  # "or a scalar": a Python float too
+        out = kp.fp8_linear(qa, w8, scalar, out_dtype=jnp.float32, w_layout="kn")
+        assert np.all(np.abs(f64(out) - ref) <= 1e-5 * mag)
 
 
 @pytest.mark.parametrize("change,err,match", [
@@ -120,7 +121,33 @@ def test_fp8_linear_bad_input(change, err, match):
         kp.fp8_linear(kp.QuantizedActivation(args["data"], args["scale"]), args["w8"], args["ws"],
                       out_dtype=args["out_dtype"], w_layout=args["w_layout"])
     with pytest.raises(TypeError, match="QuantizedActivation"):
-        kp.fp8_linear(args["data"], args["w8"], args["ws"])
+        kp.fp8_linear(args["data"], args["w8"], args["ws"], w_layout="kn")
+
+
+def test_the_layout_travels_with_the_weight(rng):
+    """A square weight: the QuantizedWeight carries its layout into fp8_linear; a bare array
+    must say its layout (forgetting it silently computed x W^T before)."""
+    k = 64
+    w = jnp.asarray(rng.standard_normal((k, k)), jnp.float32)
+    qa = kp.per_token_fp8_quant(jnp.asarray(rng.standard_normal((5, k)), jnp.float32),
+                                fp8_dtype="float8_e4m3fn", impl="reference")
+    want = f64(qa.dequantize()) @ f64(w)
+    for layout in ("nk", "kn"):
+        qw = kp.quantize_weight_per_channel(w, fp8_dtype="float8_e4m3fn", **(
+            {} if layout == "nk" else {"w_layout": layout}))
+        assert isinstance(qw, kp.QuantizedWeight) and qw.layout == layout  # "nk" by default
+        out = jax.jit(lambda a, q: kp.fp8_linear(a, q, out_dtype=jnp.float32))(qa, qw)
+        assert np.abs(f64(out) - want).max() <= 0.05 * np.abs(want).max()
+        np.testing.assert_allclose(f64(qw.dequantize()), f64(w), rtol=0.07, atol=1e-6)
+        w8, ws = qw  # unpacks as before
+        with pytest.raises(TypeError, match="needs w_scale and w_layout"):
+            kp.fp8_linear(qa, w8, ws)
+        with pytest.raises(TypeError, match="comes with the QuantizedWeight"):
+            kp.fp8_linear(qa, qw, ws)
+        with pytest.raises(ValueError, match="contradicts"):
+            kp.fp8_linear(qa, qw, w_layout="kn" if layout == "nk" else "nk")
+        np.testing.assert_array_equal(f64(kp.fp8_linear(qa, w8, ws, w_layout=layout, out_dtype=jnp.float32)),
+                                      f64(out))
 
 
 SMALL = dataclasses.replace(kimi_k3.KIMI_K3, hidden=256, mla_heads=4, kda_heads=6)

@@ -230,14 +230,27 @@ def run(tokens: int = 64, impl: str = "auto", seed: int = 0, cfg: Config = KIMI_
     return results
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Run the Kimi-K3 MLA front-end and KDA output blocks.")
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--tokens", type=_positive_int, default=64)
     p.add_argument("--impl", default="auto", choices=("auto", "pallas", "interpret", "reference"))
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; "
-          f"target {kp.current_target().arch}")
+    target = kp.current_target()
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; target {target.arch}")
+    if args.impl == "reference" or (args.impl == "auto" and not target.is_gpu):
+        print("note: the paths run the jnp reference here (impl=auto without a GPU), so they are "
+              "compared with themselves except for FP8; --impl interpret runs the kernels on the CPU")
     run(args.tokens, args.impl, args.seed)
 
 
