@@ -73,7 +73,8 @@ def test_quick_mode_end_to_end(tmp_path):
     recs = data["records"]
     assert {r["op"] for r in recs} == {"fused_q_kv_rmsnorm", "rmsnorm_gated_fp8_per_token"}
     assert {r["tokens"] for r in recs} == {1, 64}
-    assert {r["variant"] for r in recs} == {"k3pallas", "encoder", "unfused", "xla", "copy"}
+    # No encoder column on the CPU: interpret mode's auto is the encoder already.
+    assert {r["variant"] for r in recs} == {"k3pallas", "unfused", "xla", "copy"}
     assert {r["variant"] for r in recs if r["op"] == "fused_q_kv_rmsnorm"} == {"k3pallas", "unfused", "xla", "copy"}
     # The FP8 conversion decisions of the run: interpret mode's auto is the encoder.
     assert env["fp8_cast_decisions"] and all(not d["native"] and d["target"] == "interpret"
@@ -86,9 +87,9 @@ def test_quick_mode_end_to_end(tmp_path):
     md = (out / "results.md").read_text()
     assert md.startswith("# k3pallas benchmark")
     assert not (out / "results.png").exists()  # no bandwidth plot of CPU wall-clock numbers
-    gbs = [line.split("|")[3].strip() for line in md.splitlines() if line.startswith("| 1 |")]
-    assert gbs and all(float(g) > 0 for g in gbs), gbs  # small figures keep their digits
-    assert "wall-clock: kernels not counted on the CPU" in proc.stderr
+    header = next(line for line in md.splitlines() if line.startswith("| T |"))
+    assert "% copy" not in header and "GB/s" not in header  # meaningless on the CPU
+    assert "CPU wall-clock" in proc.stderr and "s left]" in proc.stderr  # progress with time left
     # The reports are rewritten after every case; this run finished, so it is not marked partial.
     assert env["cases_done"] == env["cases"] == 4 and "PARTIAL" not in md
     from bench import run as bench_run
