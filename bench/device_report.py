@@ -171,7 +171,7 @@ def main(argv=None) -> int:
         os.path.join(args.out, "jax_view.log"), 300, env)
     if not args.no_tests:
         steps["gpu_tests"] = run([sys.executable, "-m", "pytest", "-m", "gpu", "tests", "-q",
-                                  "-rs", "-p", "no:cacheprovider"],
+                                  "-rfEs", "-p", "no:cacheprovider"],
                                  os.path.join(args.out, "gpu_tests.log"), args.tests_timeout, env)
     if args.bench != "none":
         steps["bench"] = run([sys.executable, "-m", "bench", "--out", os.path.join(args.out, "bench")]

@@ -326,3 +326,24 @@ def test_an_unsupported_jax_warns_once_that_it_uses_the_encoder(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX942).native
+
+
+def test_the_check_runs_inside_a_trace_without_touching_it(monkeypatch, rng):
+    """The first FP8 kernel of a jitted program decides inside its trace. The check's copy to
+    the device must happen then and there, not as a step of the program being traced (on the
+    H200 a traced device_put made the check fail and left a constant that custom_partitioning
+    refuses)."""
+    monkeypatch.setattr(fp8_cast, "_DECISIONS", {})
+    monkeypatch.setattr(fp8_cast, "_CHECKS", {})
+    monkeypatch.setattr(fp8_cast, "_WARNED", set())
+    real = fp8_cast.self_check
+    device = jax.devices()[0]
+    monkeypatch.setattr(fp8_cast, "self_check", lambda dtype, interpret, device=None:
+                        real(dtype, interpret=True, device=jax.devices()[0]))
+    x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = jax.jit(lambda a: kp.per_token_fp8_quant(a, fp8_cast="native", impl="interpret"))(x)
+    ref = kp.per_token_fp8_quant(x, impl="reference")
+    assert np.array_equal(np.asarray(out.data).view(np.uint8), np.asarray(ref.data).view(np.uint8))
+    assert real("float8_e4m3fn", interpret=True, device=device) == ()

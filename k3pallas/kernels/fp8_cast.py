@@ -156,9 +156,11 @@ def self_check(dtype, *, interpret: bool, device=None) -> tuple:
     # is being traced (the first FP8 kernel of a jitted program decides inside its trace). The
     # transfers are explicit and allowed, whatever the caller's jax.transfer_guard.
     run = jax.jit(lambda v: quant.self_check_codes(v, dtype, interpret=interpret))
+    where = None if device is None else jax.sharding.SingleDeviceSharding(device)
+    compiled = run.lower(jax.ShapeDtypeStruct(values.shape, values.dtype, sharding=where)).compile()
     with jax.transfer_guard("allow"):
-        placed = jax.device_put(values, device) if device is not None else values
-        compiled = run.lower(jax.ShapeDtypeStruct(values.shape, values.dtype)).compile()
+        with jax.ensure_compile_time_eval():  # the copy happens now, not as a traced step
+            placed = values if device is None else jax.device_put(values, where)
         enc, nat = jax.device_get(compiled(placed))
     enc, nat = np.asarray(enc, np.uint8), np.asarray(nat, np.uint8)
     host = values.astype(jnp.dtype(dtype)).view(np.uint8)
