@@ -287,6 +287,15 @@ def _call(op: Op, impl, arrays, options, originals):
                                       jax.eval_shape(ref, *arrays))
     from k3pallas import kernels
 
+    fp8 = options.get("fp8")
+    if fp8 is not None and fp8.cast is None:  # $K3PALLAS_FP8_CAST, read per call: a kernel's
+        # traces are cached by their options, so the mode must be one of them
+        from k3pallas.kernels import fp8_cast
+
+        try:
+            options = {**options, "fp8": dataclasses.replace(fp8, cast=fp8_cast.resolve_mode(None))}
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
     run = sharding.partitioned(name, rule, _on_target(kernels.entry(name)),
                                cache_key=kernels.trace_context(), interpret=impl == "interpret",
                                target=platform.current_target(), **options)
