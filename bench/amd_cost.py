@@ -32,7 +32,7 @@ import json
 import os
 import sys
 
-from k3pallas import ops
+from bench import cases as ops
 from bench.report import write_report
 
 ACHIEVABLE_BW = {"gfx942": 4.2e12, "gfx950": 6.9e12}  # bytes/s, read + write

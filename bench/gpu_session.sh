@@ -4,8 +4,8 @@
 # tests, headline benchmark, one archive).
 # One GPU-machine session: GPU tests, a trace sample, the benchmark and the launch-config sweep,
 # all written under $OUT (the device tool brings that folder back). Usage, on the GPU machine:
-#   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded] [ab] [ncu]
-# ab: AB_ARGS="base,division --cases OP:CONFIG:T,..." (bench.ab); ncu: NCU_CASES="OP:CONFIG:T ..."
+#   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded] [ncu]
+# ncu: NCU_CASES="OP:CONFIG:T ..."
 # (Nsight Compute on each case's first kernel launch, bench.profile_cases; all into ncu.txt).
 # tests: ~300 s on the H200 (126 GPU tests), so it and bench (~300 s) need two calls of 600 s.
 # The GPU machine's copy of .git can be older than the tree sent: pass the commit measured, e.g.
@@ -16,7 +16,6 @@ OUT=${OUT:?set OUT}
 steps=${*:-tests trace bench tune}
 BENCH_ARGS=${BENCH_ARGS:-}
 TUNE_ARGS=${TUNE_ARGS:-}
-AB_ARGS=${AB_ARGS:-}
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; python3 -c 'import jax, jaxlib, sys; print(sys.version.split()[0], jax.__version__, jaxlib.__version__, jax.devices())'; } 2>&1 | tee "$OUT/env.txt"
 for step in $steps; do
   start=$(date +%s)
@@ -27,7 +26,6 @@ for step in $steps; do
     tune) timeout ${TUNE_TIMEOUT:-240} python3 -m bench.tune --out "$OUT" $TUNE_ARGS 2>"$OUT/tune.log" | tail -40 ;;
     hlo) timeout 180 python3 -m bench.hlo_report --out "$OUT" 2>"$OUT/hlo_report.log" | tail -12 ;;
     model) timeout 180 python3 -m k3pallas.models.kimi_k3 --tokens ${MODEL_TOKENS:-4096} --impl pallas 2>&1 | grep -v Warning | tee "$OUT/model_block.log" ;;
-    ab) timeout ${AB_TIMEOUT:-180} python3 -m bench.ab $AB_ARGS --out "$OUT" 2>&1 | tail -60 ;;
     ncu) for c in ${NCU_CASES:-}; do
            op=${c#copy:}; op=${op%%:*}; k="regex:k3pallas_${op}\$"; [[ $c == copy:* ]] && k="regex:xor"
            echo "=== $c" >>"$OUT/ncu.txt"

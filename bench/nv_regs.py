@@ -6,7 +6,7 @@ registers for the 96 x 128 gated FP8 kernel where this gives 80). For finding re
 occupancy without a GPU: ``blocks per SM = 65536 / (registers x threads)``, at most 32.
 Not a predictor of speed: a store through a reshaped view that looked ideal here (16-byte loads,
 no shared memory) ran 2.6-4x slower as XLA's Triton compiled it on the H200 (bench/NOTES.md,
-``bench.ab`` variant ``store8``).
+the reverted ``store8`` code store, bench/NOTES.md).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import subprocess
 import sys
 import tempfile
 
-from k3pallas import ops, testing
+from bench import cases as ops
+from k3pallas import testing
 
 from bench import rocm_check
 

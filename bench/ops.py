@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 import k3pallas as kp
-from k3pallas import ops, platform
+from bench import cases as ops
+from k3pallas import platform
 from k3pallas.kernels import launch
 
 from bench import shapes
@@ -68,7 +69,7 @@ def _launch_of(fn, args) -> launch.LaunchConfig | None:
     return log[0].config if log else None
 
 
-def _op_case(spec: ops.Op, config_name: str, tokens: int, dt, impl: str):
+def _op_case(spec: ops.BenchOp, config_name: str, tokens: int, dt, impl: str):
     """(make, variants, input bytes, output bytes, launch) of an op from the op table."""
     structs, options = spec.example(tokens, dt, **spec.sizes[config_name])
     j = jax.jit

@@ -63,7 +63,7 @@ PROGRAM_TOKENS = (64, 4096)
 def cases(tokens, ops, casts=FP8_CASTS) -> list[dict]:
     """Every (op, config, T[, fp8 cast]) the gate compiles: each op of the op table
     (``k3pallas.ops``) on its model configs; an FP8 op with each conversion path."""
-    from k3pallas import ops as op_table
+    from bench import cases as op_table
 
     out = []
     for name, op in op_table.OPS.items():
@@ -86,7 +86,7 @@ def case_fn(case):
 
     import jax.numpy as jnp
 
-    from k3pallas import ops as op_table
+    from bench import cases as op_table
     from k3pallas.kernels import launch
 
     spec = op_table.OPS[case["op"]]
@@ -146,7 +146,7 @@ def sharded_cases(ops=None) -> list[dict]:
     """Each op under ``shard_map`` (tokens over 8 devices) and under ``jax.jit`` with
     ``NamedSharding`` (heads / columns where the op has them, else tokens), FP8 with the native
     conversion; then the Kimi-K3 output blocks at TP8."""
-    from k3pallas import ops as op_table
+    from bench import cases as op_table
 
     out = []
     for name, op in op_table.OPS.items():
@@ -168,7 +168,7 @@ def sharded_fn(case, mesh):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from k3pallas import ops as op_table
+    from bench import cases as op_table
     from k3pallas.models import kimi_k3
 
     def on(a, spec):

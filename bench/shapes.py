@@ -41,7 +41,7 @@ QUICK_TOKENS = (1, 64)
 def _op_configs() -> dict:
     """Each op's model configs (the op table, ``k3pallas.ops``; headline first), then the
     integration paths that are not ops."""
-    from k3pallas import ops
+    from bench import cases as ops
 
     configs = {name: op.configs for name, op in ops.OPS.items()}
     # The KDA output path with its FP8 o_proj (bench.ops.make_case).

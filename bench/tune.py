@@ -22,7 +22,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from k3pallas import ops, platform
+from bench import cases as ops
+from k3pallas import platform
 from k3pallas.kernels import common, launch
 
 from bench import ops as bench_ops

@@ -19,6 +19,7 @@ avoids 240 on MI300 for accuracy; AITER uses 240, pass it explicitly), 57344 on 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import NamedTuple
 
 import jax
@@ -30,7 +31,8 @@ from k3pallas._checks import static_positive_float
 __all__ = [
     "FP8_E4M3FN_MAX", "FP8_E4M3FNUZ_MAX", "FP8_E4M3FNUZ_MAX_AITER", "FP8_E5M2_MAX",
     "FP8_DTYPES", "QuantizedActivation", "default_fp8_dtype", "default_fp8_max",
-    "fp8_format", "encode_fp8", "Fp8Params", "resolve_fp8_params",
+    "fp8_format", "encode_fp8", "Fp8Params", "resolve_fp8_params", "CAST_MODES", "CAST_ENV_VAR",
+    "check_cast_mode", "resolve_cast_mode",
 ]
 
 FP8_E4M3FN_MAX = 448.0
@@ -123,6 +125,36 @@ def default_fp8_dtype(device=None):
     return jnp.dtype(jnp.float8_e4m3fn)
 
 
+# The float32 -> FP8 conversion a kernel uses (k3pallas.kernels.fp8_cast decides it on the
+# device): the argument ``fp8_cast``, else the environment variable, else "auto".
+CAST_MODES = ("auto", "native", "encoder", "native_unchecked")
+CAST_ENV_VAR = "K3PALLAS_FP8_CAST"
+
+
+def check_cast_mode(fp8_cast):
+    """The ``fp8_cast`` argument as given (None: decided later from the environment);
+    ValueError for anything but None or one of ``CAST_MODES``."""
+    if fp8_cast is not None and (not isinstance(fp8_cast, str) or fp8_cast not in CAST_MODES):
+        raise ValueError(f"fp8_cast must be one of {CAST_MODES} (or None: ${CAST_ENV_VAR}, else "
+                         f"'auto'); got {fp8_cast!r}")
+    return fp8_cast
+
+
+def resolve_cast_mode(fp8_cast) -> str:
+    """``fp8_cast``, else ``$K3PALLAS_FP8_CAST`` (case and surrounding spaces ignored), else
+    "auto". ValueError for anything else, and for "native_unchecked" from the environment (an
+    ahead-of-time choice: tools pass it as an argument; a variable left set would skip the
+    self-check at run time)."""
+    if fp8_cast is None:
+        raw = os.environ.get(CAST_ENV_VAR, "")
+        fp8_cast = raw.strip().lower() or "auto"
+        if fp8_cast not in CAST_MODES or fp8_cast == "native_unchecked":
+            allowed = tuple(m for m in CAST_MODES if m != "native_unchecked")
+            raise ValueError(f"environment variable {CAST_ENV_VAR}={raw!r}: expected one of "
+                             f"{allowed} ('native_unchecked' only as the fp8_cast argument)")
+    return check_cast_mode(fp8_cast)
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8Params:
     """Resolved per-token FP8 options, as the kernels and the reference take them."""
@@ -143,7 +175,6 @@ def resolve_fp8_params(fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=No
     would overflow the format after the clamp. ``fp8_cast``: see ``k3pallas.kernels.fp8_cast`` (checked
     here, decided by the kernel backend when it builds a kernel).
     """
-    from k3pallas.kernels import fp8_cast as cast_lib
     from k3pallas import platform
 
     target = platform.current_target() if target is None else target
@@ -160,7 +191,7 @@ def resolve_fp8_params(fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=No
         min_scale = static_positive_float("min_scale", min_scale, high=SCALE_MAX)
     if scale_ub is not None:
         scale_ub = static_positive_float("scale_ub", scale_ub)
-    return Fp8Params(dtype, fp8_max, min_scale, scale_ub, cast_lib.check_mode(fp8_cast))
+    return Fp8Params(dtype, fp8_max, min_scale, scale_ub, check_cast_mode(fp8_cast))
 
 
 class QuantizedActivation(NamedTuple):

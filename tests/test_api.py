@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import k3pallas as kp
-from k3pallas import ops as k3ops, testing
+from bench import cases as k3ops
+from k3pallas import testing
 
 from oracle import ORACLE_TOL, assert_close, gated64, rmsnorm64
 

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import k3pallas as kp
-from k3pallas import ops as k3ops
+from bench import cases as k3ops
 from k3pallas import platform, testing
 from k3pallas.kernels import launch
 

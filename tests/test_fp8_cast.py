@@ -15,7 +15,7 @@ import k3pallas as kp
 from k3pallas import _compat, platform
 from k3pallas.kernels import fp8_cast
 from k3pallas import testing
-from k3pallas.kernels import quant
+from k3pallas import fp8 as fp8_lib
 
 FORMATS = ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2"]
 GFX942 = platform.target_for(*testing.KNOWN_TARGETS["gfx942"])
@@ -34,7 +34,7 @@ def fresh(monkeypatch):
     real = fp8_cast.self_check
     monkeypatch.setattr(fp8_cast, "self_check",
                         lambda dtype, interpret, device=None: real(dtype, interpret=True))
-    monkeypatch.delenv(fp8_cast.ENV_VAR, raising=False)
+    monkeypatch.delenv(fp8_lib.CAST_ENV_VAR, raising=False)
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -60,7 +60,7 @@ def test_native_and_encoder_agree_in_interpret_mode(name):
 def test_fnuz_fixup_flushes_negative_zero():
     """-tiny rounds to zero; in e4m3fnuz that must be 0x00 (0x80 is NaN), native as encoder."""
     v = jnp.asarray([-2.0**-12, -2.0**-11, 2.0**-11, -0.0, float("nan")], jnp.float32)
-    got = np.asarray(jax.lax.bitcast_convert_type(quant.native_codes(v, jnp.float8_e4m3fnuz), jnp.uint8))
+    got = np.asarray(jax.lax.bitcast_convert_type(fp8_cast.native_codes(v, jnp.float8_e4m3fnuz), jnp.uint8))
     assert got.tolist() == [0, 0, 0, 0, 0x80]
 
 
@@ -74,8 +74,8 @@ def test_auto_picks_native_after_a_passing_self_check(fresh, target, name):
 
 
 def test_simulated_mismatch_warns_once_and_falls_back(fresh, monkeypatch):
-    real = quant.native_codes
-    monkeypatch.setattr(quant, "native_codes", lambda v, dtype: real(v * (1 + 2.0**-6), dtype))
+    real = fp8_cast.native_codes
+    monkeypatch.setattr(fp8_cast, "native_codes", lambda v, dtype: real(v * (1 + 2.0**-6), dtype))
     with pytest.warns(RuntimeWarning, match=r"native float8_e4m3fnuz conversion or the encoder differs"):
         d = fp8_cast.decide("float8_e4m3fnuz", "auto", target=GFX942)
     assert not d.native and d.mismatches and "native 0x" in d.reason
@@ -90,8 +90,8 @@ def test_simulated_mismatch_warns_once_and_falls_back(fresh, monkeypatch):
 
 def test_simulated_mismatch_through_the_api(fresh, monkeypatch, rng):
     """A kernel built after a failed check uses the encoder: its codes equal the encoder's."""
-    real = quant.native_codes
-    monkeypatch.setattr(quant, "native_codes", lambda v, dtype: real(v * 1.5, dtype))
+    real = fp8_cast.native_codes
+    monkeypatch.setattr(fp8_cast, "native_codes", lambda v, dtype: real(v * 1.5, dtype))
     x = jnp.asarray(rng.standard_normal((8, 256)), jnp.float32)
     with pytest.raises(RuntimeError, match="per_token_fp8_quant: fp8_cast='native'"), \
             pytest.warns(RuntimeWarning, match="or the encoder differs"):
@@ -129,22 +129,22 @@ def test_modes_and_environment_variable(monkeypatch, rng):
         kp.per_token_fp8_quant(x, fp8_cast="fast")
     with pytest.raises(ValueError, match="fp8_cast must be one of"):
         kp.rmsnorm_gated_fp8_per_token(x.reshape(4, 2, 32), jnp.ones(32), x.reshape(4, 2, 32), fp8_cast=1)
-    monkeypatch.setenv(fp8_cast.ENV_VAR, "bogus")
+    monkeypatch.setenv(fp8_lib.CAST_ENV_VAR, "bogus")
     with pytest.raises(ValueError, match="per_token_fp8_quant: environment variable K3PALLAS_FP8_CAST='bogus'"):
         kp.per_token_fp8_quant(x, impl="interpret")
     # Calls that convert nothing in a kernel do not read it.
     kp.per_token_fp8_quant(x, impl="reference")
     kp.quantize_weight_per_channel(x)
-    monkeypatch.setenv(fp8_cast.ENV_VAR, " Encoder ")
-    assert fp8_cast.resolve_mode(None) == "encoder"
-    monkeypatch.setenv(fp8_cast.ENV_VAR, "native_unchecked")  # ahead-of-time tools pass it as an argument
+    monkeypatch.setenv(fp8_lib.CAST_ENV_VAR, " Encoder ")
+    assert fp8_lib.resolve_cast_mode(None) == "encoder"
+    monkeypatch.setenv(fp8_lib.CAST_ENV_VAR, "native_unchecked")  # ahead-of-time tools pass it as an argument
     with pytest.raises(ValueError, match="only as the fp8_cast argument"):
-        fp8_cast.resolve_mode(None)
-    assert fp8_cast.resolve_mode("native_unchecked") == "native_unchecked"
-    monkeypatch.setenv(fp8_cast.ENV_VAR, "native")
-    assert fp8_cast.resolve_mode(None) == "native" and fp8_cast.resolve_mode("encoder") == "encoder"
-    monkeypatch.delenv(fp8_cast.ENV_VAR)
-    assert fp8_cast.resolve_mode(None) == "auto"
+        fp8_lib.resolve_cast_mode(None)
+    assert fp8_lib.resolve_cast_mode("native_unchecked") == "native_unchecked"
+    monkeypatch.setenv(fp8_lib.CAST_ENV_VAR, "native")
+    assert fp8_lib.resolve_cast_mode(None) == "native" and fp8_lib.resolve_cast_mode("encoder") == "encoder"
+    monkeypatch.delenv(fp8_lib.CAST_ENV_VAR)
+    assert fp8_lib.resolve_cast_mode(None) == "auto"
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -244,13 +244,13 @@ def test_the_check_runs_under_a_transfer_guard(fresh):
 def test_the_check_compares_with_host_codes(fresh, monkeypatch):
     """Both device paths wrong in the same way is still a failure: the reference is ml_dtypes on
     the host."""
-    real = quant.self_check_codes
+    real = fp8_cast.self_check_codes
 
     def same_wrong(values, dtype, *, interpret):
         enc, nat = real(values * 2, dtype, interpret=interpret)
         return enc, nat
 
-    monkeypatch.setattr(quant, "self_check_codes", same_wrong)
+    monkeypatch.setattr(fp8_cast, "self_check_codes", same_wrong)
     with pytest.warns(RuntimeWarning, match="differs from the host's codes"):
         d = fp8_cast.decide("float8_e4m3fn", "auto", target=H200)
     assert not d.native and all(e == n != h for _, h, e, n in d.mismatches[:5])

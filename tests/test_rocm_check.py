@@ -179,7 +179,7 @@ def test_target_configs_are_read_from_the_plugin_binary(tmp_path):
 
 
 def test_gate_cases():
-    from k3pallas import ops as op_table
+    from bench import cases as op_table
 
     FP8_OPS = {name for name, op in op_table.OPS.items() if op.fp8}
     cases = rocm_check.cases((1, 4096), None)

@@ -23,7 +23,7 @@ from k3pallas.kernels.launch import LaunchConfig
 def test_norm_segments_on_two_programs(rng, op, rows):
     """split = 2 for the joint norms: q on one program of a row block, kv (and the rope
     columns) on another, in the same launch; the same results as one program, bit for bit."""
-    from k3pallas import ops as k3ops
+    from bench import cases as k3ops
 
     spec = k3ops.OPS[op]
     structs, options = spec.example(5, jnp.dtype(jnp.bfloat16), **spec.sizes["test"])
@@ -94,7 +94,7 @@ def test_tuned_split_entries(monkeypatch):
 def test_norm_split_compiled(rng, op, t):
     """Compiled: the two-program launch equals the one-program launch of the same rows and warps
     bit for bit (each segment runs the same code), with poisoned outputs."""
-    from k3pallas import ops as k3ops
+    from bench import cases as k3ops
 
     spec = k3ops.OPS[op]
     structs, options = spec.example(t, jnp.dtype(jnp.bfloat16), **spec.sizes["deepseek-v3-mla"])

@@ -4,7 +4,7 @@ Two paths give the same codes by construction:
 
 * the **encoder** (``k3pallas.fp8.encode_fp8``): integer arithmetic on the float32 bits, bit-exact
   with XLA's cast, runs everywhere; about 16 VALU instructions per value on AMD gfx942;
-* the **native** conversion (``kernels.quant.native_codes``): the Triton lowering's own cast,
+* the **native** conversion (``native_codes``): the Triton lowering's own cast,
   one hardware instruction per two values where the target has it: NVIDIA sm_89+ (e4m3fn, e5m2),
   AMD gfx94x (e4m3fnuz: ``v_cvt_pk_fp8_f32``; the lowering refuses this cast, and
   ``k3pallas._compat.enable_native_fnuz_cast`` lifts that for k3pallas kernels only) and AMD
@@ -38,7 +38,7 @@ native conversion: that, and a simulated device, is how the CPU tests exercise t
 from __future__ import annotations
 
 import dataclasses
-import os
+import functools
 import re
 import threading
 import warnings
@@ -47,13 +47,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax import lax
+
 from k3pallas import _compat
+from k3pallas._compat import pl
 from k3pallas import fp8 as fp8_lib
 from k3pallas import platform
-
-MODES = ("auto", "native", "encoder", "native_unchecked")
-ENV_VAR = "K3PALLAS_FP8_CAST"
-
 
 @dataclasses.dataclass(frozen=True)
 class CastDecision:
@@ -72,30 +71,6 @@ _DECISIONS: dict = {}  # (where, dtype, mode) -> the last decision taken
 def decisions() -> list[CastDecision]:
     """The decisions taken in this process, one per (target, format, requested mode)."""
     return list(_DECISIONS.values())
-
-
-def check_mode(fp8_cast):
-    """The ``fp8_cast`` argument as given (None: decided later from the environment);
-    ValueError for anything but None or one of ``MODES``."""
-    if fp8_cast is not None and (not isinstance(fp8_cast, str) or fp8_cast not in MODES):
-        raise ValueError(f"fp8_cast must be one of {MODES} (or None: ${ENV_VAR}, else 'auto'); "
-                         f"got {fp8_cast!r}")
-    return fp8_cast
-
-
-def resolve_mode(fp8_cast) -> str:
-    """``fp8_cast``, else ``$K3PALLAS_FP8_CAST`` (case and surrounding spaces ignored), else
-    "auto". ValueError for anything else, and for "native_unchecked" from the environment (an
-    ahead-of-time choice: tools pass it as an argument; a variable left set would skip the
-    self-check at run time)."""
-    if fp8_cast is None:
-        raw = os.environ.get(ENV_VAR, "")
-        fp8_cast = raw.strip().lower() or "auto"
-        if fp8_cast not in MODES or fp8_cast == "native_unchecked":
-            allowed = tuple(m for m in MODES if m != "native_unchecked")
-            raise ValueError(f"environment variable {ENV_VAR}={raw!r}: expected one of {allowed} "
-                             "('native_unchecked' only as the fp8_cast argument)")
-    return check_mode(fp8_cast)
 
 
 def native_unavailable(target: platform.Target, dtype) -> str | None:
@@ -120,6 +95,39 @@ def native_unavailable(target: platform.Target, dtype) -> str | None:
             return None
         return f"no native FP8 conversion known for {target.arch}"
     return f"no GPU target ({target.backend})"
+
+
+def native_codes(v, dtype):
+    """The lowering's own float32 -> ``dtype`` cast (round to nearest even), with the fix-up that
+    makes it equal the encoder: in e4m3fnuz, which has no -0, a value that rounds to zero is
+    flushed to +0 before the cast (|v| <= half the smallest subnormal), so the code 0x80 (NaN
+    there) comes only from NaN. No saturation fix-up: the kernels' values never exceed
+    ``fp8_max`` by more than rounding (``_codes``)."""
+    fmt = fp8_lib.fp8_format(dtype)
+    if not fmt.has_negative_zero:
+        half_min_subnormal = 2.0 ** (1 - fmt.bias - fmt.man_bits - 1)
+        v = jnp.where(jnp.abs(v) <= half_min_subnormal, 0.0, v)
+    return v.astype(dtype)
+
+
+def _self_check_kernel(x_ref, enc_ref, nat_ref, *, n, dtype):
+    i = jnp.arange(n, dtype=jnp.int32)
+    v = x_ref[i]
+    enc_ref[i] = fp8_lib.encode_fp8(v, dtype).astype(jnp.uint8)
+    nat_ref[i] = native_codes(v, dtype)
+
+
+def self_check_codes(values, dtype, *, interpret: bool):
+    """``values`` float32 ``[n]`` (n a power of two) -> (encoder codes, native codes), both
+    uint8, from ONE kernel that converts the same values both ways (``k3pallas.fp8_cast``)."""
+    n = values.shape[0]
+    kernel = functools.partial(_self_check_kernel, n=n, dtype=jnp.dtype(dtype))
+    spec = pl.BlockSpec((n,), lambda i: (0,))
+    enc, nat = pl.pallas_call(
+        kernel, grid=(1,), in_specs=[spec], out_specs=[spec, spec],
+        out_shape=[jax.ShapeDtypeStruct((n,), jnp.uint8), jax.ShapeDtypeStruct((n,), dtype)],
+        interpret=interpret, name="k3pallas_fp8_cast_self_check")(values)
+    return enc, lax.bitcast_convert_type(nat, jnp.uint8)
 
 
 def check_values(dtype) -> np.ndarray:
@@ -147,15 +155,13 @@ def self_check(dtype, *, interpret: bool, device=None) -> tuple:
     """Run the check kernel on ``device`` (default: jax's default device; or in interpret mode);
     the mismatches as ``((value, host code, encoder code, native code), ...)``: the values where
     either path differs from the codes computed on the host (ml_dtypes, the reference of both)."""
-    from k3pallas.kernels import quant
-
     values = check_values(dtype)
     if not interpret and jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fnuz):
         _compat.enable_native_fnuz_cast()
     # Compiled ahead and called with a concrete array: it runs now, also while an outer function
     # is being traced (the first FP8 kernel of a jitted program decides inside its trace). The
     # transfers are explicit and allowed, whatever the caller's jax.transfer_guard.
-    run = jax.jit(lambda v: quant.self_check_codes(v, dtype, interpret=interpret))
+    run = jax.jit(lambda v: self_check_codes(v, dtype, interpret=interpret))
     where = None if device is None else jax.sharding.SingleDeviceSharding(device)
     compiled = run.lower(jax.ShapeDtypeStruct(values.shape, values.dtype, sharding=where)).compile()
     with jax.transfer_guard("allow"):
@@ -226,7 +232,7 @@ def _warn_once(key, message):
 
 
 def _decide(dtype, fp8_cast, interpret, target) -> CastDecision:
-    mode = resolve_mode(fp8_cast)
+    mode = fp8_lib.resolve_cast_mode(fp8_cast)
     dtype = jnp.dtype(dtype)
     target = platform.current_target() if target is None else target
     where = "interpret" if interpret else f"{target.backend} {target.arch}"

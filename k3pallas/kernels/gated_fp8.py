@@ -59,7 +59,7 @@ def _activation(g, name: str):
     return sig if name == "sigmoid" else g * sig
 
 
-def head_pieces(in_rows, rows, heads, d_index, d_lanes):
+def _head_pieces(in_rows, rows, heads, d_index, d_lanes):
     """Yields ``(index, mask)`` of a gated row block's ``[R, h, D]`` tiles, one per power-of-two
     piece of the head axis (``in_rows``: ``common.row_mask`` of the block; ``d_index, d_lanes``:
     ``common.lane_index`` of D). A generator, so that a kernel's loads interleave with it."""
@@ -73,7 +73,7 @@ def head_pieces(in_rows, rows, heads, d_index, d_lanes):
         yield (r, h, d), mask
 
 
-def gated_y(x, g, w, *, width, eps, activation):
+def _gated_y(x, g, w, *, width, eps, activation):
     """``rmsnorm(x) * w * act(g)`` of a loaded ``[R, h, D]`` tile pair, in float32 (``w``:
     float32 ``[1, 1, D]``)."""
     x = x.astype(jnp.float32)
@@ -86,9 +86,9 @@ def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activati
     in_rows = common.row_mask(n_rows, rows, 3)
     d_index, d_lanes = common.lane_index(width)
     loaded = [(index, mask, common.load(x_ref, index, mask), common.load(g_ref, index, mask))
-              for index, mask in head_pieces(in_rows, rows, heads, d_index, d_lanes)]
+              for index, mask in _head_pieces(in_rows, rows, heads, d_index, d_lanes)]
     w = common.load(w_ref, d_index, d_lanes).astype(jnp.float32)[None, None, :]
-    ys = [(index, mask, gated_y(x, g, w, width=width, eps=eps, activation=activation))
+    ys = [(index, mask, _gated_y(x, g, w, width=width, eps=eps, activation=activation))
           for index, mask, x, g in loaded]
     if quant is None:
         (o_ref,) = out_refs

@@ -4,7 +4,6 @@ with an FP8 output (``gated_fp8``, ``rmsnorm``)."""
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -12,7 +11,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from k3pallas import fp8 as fp8_lib
-from k3pallas._compat import pl
 from k3pallas.kernels import common, fp8_cast
 
 
@@ -63,41 +61,8 @@ def codes(y, inv_scale, q: Quant):
         # Comparisons, not min/max: NaN must pass through to the encoder.
         v = jnp.where(v > q.fp8_max, q.fp8_max, jnp.where(v < -q.fp8_max, -q.fp8_max, v))
     if q.native:
-        return native_codes(v, q.dtype)
+        return fp8_cast.native_codes(v, q.dtype)
     return fp8_lib.encode_fp8(v, q.dtype)
-
-
-def native_codes(v, dtype):
-    """The lowering's own float32 -> ``dtype`` cast (round to nearest even), with the fix-up that
-    makes it equal the encoder: in e4m3fnuz, which has no -0, a value that rounds to zero is
-    flushed to +0 before the cast (|v| <= half the smallest subnormal), so the code 0x80 (NaN
-    there) comes only from NaN. No saturation fix-up: the kernels' values never exceed
-    ``fp8_max`` by more than rounding (``_codes``)."""
-    fmt = fp8_lib.fp8_format(dtype)
-    if not fmt.has_negative_zero:
-        half_min_subnormal = 2.0 ** (1 - fmt.bias - fmt.man_bits - 1)
-        v = jnp.where(jnp.abs(v) <= half_min_subnormal, 0.0, v)
-    return v.astype(dtype)
-
-
-def _self_check_kernel(x_ref, enc_ref, nat_ref, *, n, dtype):
-    i = jnp.arange(n, dtype=jnp.int32)
-    v = x_ref[i]
-    enc_ref[i] = fp8_lib.encode_fp8(v, dtype).astype(jnp.uint8)
-    nat_ref[i] = native_codes(v, dtype)
-
-
-def self_check_codes(values, dtype, *, interpret: bool):
-    """``values`` float32 ``[n]`` (n a power of two) -> (encoder codes, native codes), both
-    uint8, from ONE kernel that converts the same values both ways (``k3pallas.fp8_cast``)."""
-    n = values.shape[0]
-    kernel = functools.partial(_self_check_kernel, n=n, dtype=jnp.dtype(dtype))
-    spec = pl.BlockSpec((n,), lambda i: (0,))
-    enc, nat = pl.pallas_call(
-        kernel, grid=(1,), in_specs=[spec], out_specs=[spec, spec],
-        out_shape=[jax.ShapeDtypeStruct((n,), jnp.uint8), jax.ShapeDtypeStruct((n,), dtype)],
-        interpret=interpret, name="k3pallas_fp8_cast_self_check")(values)
-    return enc, lax.bitcast_convert_type(nat, jnp.uint8)
 
 
 def codes_struct(shape, quant: Quant):
@@ -139,13 +104,13 @@ def epilogue(ys, out_refs, s_ref, *, n_rows, rows, quant, mode, pid=None):
         common.store(out_refs[1], r_index, scale, r_mask)
 
 
-MODES = ("dynamic", "scale_only", "given_scale")
+SCALE_MODES = ("dynamic", "scale_only", "given_scale")
 
 
 def outputs(shape, n_rows, quant, mode, scale):
     """(output structs, poison values) of an FP8 launch in ``mode``; checks mode and scale."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode not in SCALE_MODES:
+        raise ValueError(f"mode must be one of {SCALE_MODES}, got {mode!r}")
     if (scale is None) != (mode != "given_scale"):
         raise ValueError(f"a scale is passed exactly in mode 'given_scale' (mode {mode!r})")
     codes = (codes_struct(shape, quant), codes_poison(quant))

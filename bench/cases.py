@@ -1,0 +1,134 @@
+"""The benchmark's view of each op of the table (``k3pallas.ops``): its model shapes, example
+arguments, unfused form and bytes moved. The benchmark, the tuning sweep, the ROCm gate and the
+generic API tests read it; the runtime does not.
+
+``OPS[name]``: a ``BenchOp`` with the op's table entry (``.op``) and
+
+* ``sizes``: named problem sizes: the model configs the benchmark, the sweep and the gate run it
+  on (the first is the headline), and ``"test"``, small sizes for the generic API tests;
+* ``example(tokens, dtype, **size)``: its arguments as ``ShapeDtypeStruct``s and its options;
+* ``unfused``: the same results from other ops, the benchmark's "unfused" variant (or None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+import k3pallas as kp
+from k3pallas import ops
+
+S = jax.ShapeDtypeStruct
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchOp:
+    op: ops.Op
+    sizes: Mapping[str, dict]
+    example: Callable  # (tokens, dtype, **size) -> (tuple of ShapeDtypeStruct, options dict)
+    unfused: Callable | None = None  # (impl, *arrays, **options) -> the op's results
+
+    @property
+    def name(self) -> str:
+        return self.op.name
+
+    @property
+    def fp8(self) -> bool:
+        return self.op.fp8
+
+    @property
+    def rule(self):
+        return self.op.rule
+
+    @property
+    def fn(self):
+        """The public function."""
+        return getattr(kp, self.op.name)
+
+    @property
+    def configs(self) -> tuple[str, ...]:
+        """The model configs it is benchmarked, tuned and gated on (headline first)."""
+        return tuple(k for k in self.sizes if k != "test")
+
+    def bytes_moved(self, size: str, tokens: int, dtype=jnp.bfloat16) -> int:
+        """Bytes of its inputs and outputs at ``sizes[size]`` (each read or written once)."""
+        structs, options = self.example(tokens, jnp.dtype(dtype), **self.sizes[size])
+        outs = jax.eval_shape(lambda *a: self.fn(*a, impl="reference", **options), *structs)
+        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+                   for a in list(structs) + jax.tree_util.tree_leaves(outs))
+
+
+_MLA = {"deepseek-v3-mla": dict(dq=1536, dkv=512, rope=64)}  # DeepSeek-V3, Kimi-K2, Kimi-K3
+_KDA = {"kimi-linear-kda": dict(heads=32, dim=128),
+        "kimi-k3-kda-tp8": dict(heads=12, dim=128),  # 96 heads over 8 ranks
+        "kimi-k3-kda": dict(heads=96, dim=128)}
+# The MLA output gate, x * sigmoid(gate) before the o_proj: H * D columns.
+_MLA_OUT = {"kimi-k3-mla-out-tp8": dict(n=12 * 128),  # one rank of TP8
+            "kimi-k3-mla-out": dict(n=96 * 128)}
+_QKV_SIZES = {**_MLA, "test": dict(dq=64, dkv=16, rope=3)}
+
+
+def _qkv_example(t, dt, dq, dkv, rope):
+    """q_c, kv_c and their weights (the joint norms)."""
+    return (S((t, dq), dt), S((t, dkv), dt), S((dq,), dt), S((dkv,), dt)), {}
+
+
+def _packed_example(t, dt, dq, dkv, rope):
+    """The packed [q_c | kv_c | k_pe] rows and the two weights (the packed norms)."""
+    return (S((t, dq + dkv + rope), dt), S((dq,), dt), S((dkv,), dt)), dict(q_size=dq, kv_size=dkv)
+
+
+def _gated_example(t, dt, heads, dim):
+    return (S((t, heads, dim), dt), S((dim,), jnp.float32), S((t, heads, dim), dt)), {}
+
+
+def _q_fp8_unfused(impl, outs, options):
+    """The norm's outputs with q quantized by the per-token FP8 kernel (a second launch)."""
+    return (kp.per_token_fp8_quant(outs[0], impl=impl, **options), *outs[1:])
+
+
+_CASES = [
+    BenchOp(ops.RMSNORM, sizes={"deepseek-v3-mla": dict(d=1536), "test": dict(d=64)},  # the q latent
+            example=lambda t, dt, d: ((S((t, d), dt), S((d,), dt)), {})),
+    BenchOp(ops.FUSED_Q_KV_RMSNORM, sizes=_QKV_SIZES, example=_qkv_example,
+            unfused=lambda impl, q, kv, wq, wkv: (kp.rmsnorm(q, wq, impl=impl),
+                                                  kp.rmsnorm(kv, wkv, impl=impl))),
+    BenchOp(ops.MLA_Q_KV_NORM, sizes=_QKV_SIZES, example=_packed_example,
+            # What a user writes without it: XLA slices the packed rows, then the joint norm.
+            unfused=lambda impl, a, wq, wkv, q_size, kv_size, **o: (
+                *kp.fused_q_kv_rmsnorm(a[..., :q_size], a[..., q_size:q_size + kv_size], wq, wkv,
+                                       impl=impl), a[..., q_size + kv_size:])),
+    BenchOp(ops.RMSNORM_GATED,
+            sizes={k: _KDA[k] for k in ("kimi-linear-kda", "kimi-k3-kda-tp8")} | {"test": dict(heads=3, dim=32)},
+            example=_gated_example),
+    BenchOp(ops.RMSNORM_GATED_FP8_PER_TOKEN, sizes={**_KDA, "test": dict(heads=3, dim=32)},
+            example=_gated_example,
+            unfused=lambda impl, x, w, g, **o: kp.per_token_fp8_quant(
+                kp.rmsnorm_gated(x, w, g, impl=impl).reshape(x.shape[:-2] + (-1,)), impl=impl,
+                **{k: v for k, v in o.items() if k != "eps"})),
+    BenchOp(ops.PER_TOKEN_FP8_QUANT,
+            sizes={"kimi-linear-kda": dict(n=32 * 128), "test": dict(n=64)},  # the o_proj input
+            example=lambda t, dt, n: ((S((t, n), dt),), {})),
+    BenchOp(ops.SIGMOID_MUL_FP8_PER_TOKEN, sizes={**_MLA_OUT, "test": dict(n=96)},
+            example=lambda t, dt, n: ((S((t, n), dt), S((t, n), dt)), {}),
+            # Unfused: XLA's elementwise gate in x's dtype, then the per-token FP8 kernel.
+            unfused=lambda impl, x, g, **o: kp.per_token_fp8_quant(
+                (x.astype(jnp.float32) * jax.nn.sigmoid(g.astype(jnp.float32))).astype(x.dtype),
+                impl=impl, **o)),
+    BenchOp(ops.FUSED_Q_KV_RMSNORM_FP8, sizes=_QKV_SIZES, example=_qkv_example,
+            # Unfused: the joint norm to bf16, then the per-token FP8 kernel on q.
+            unfused=lambda impl, q, kv, wq, wkv, **o: _q_fp8_unfused(
+                impl, kp.fused_q_kv_rmsnorm(q, kv, wq, wkv, impl=impl), o)),
+    BenchOp(ops.MLA_Q_KV_NORM_FP8, sizes=_QKV_SIZES, example=_packed_example,
+            unfused=lambda impl, a, wq, wkv, **o: _q_fp8_unfused(
+                impl, kp.mla_q_kv_norm(a, wq, wkv, impl=impl, q_size=o.pop("q_size"),
+                                       kv_size=o.pop("kv_size")), o)),
+]
+
+OPS: dict[str, BenchOp] = {case.name: case for case in _CASES}
+if set(OPS) != set(ops.OPS):
+    raise RuntimeError(f"bench.cases: ops without a benchmark view: {sorted(set(ops.OPS) - set(OPS))}")
