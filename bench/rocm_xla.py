@@ -112,6 +112,49 @@ def _newest_thunks(dump_dir, seen):
     return launches
 
 
+# The private jax these patches touch was read in, and the gate checked against, jax 0.12.0
+# with jax-rocm7-plugin 0.12.0 (bench.rocm_env pins both).
+ROCM_DEVICELESS_JAX = ((0, 12, 0),)
+
+
+def _jax_version() -> tuple[int, ...]:
+    import jax
+
+    return tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in jax.__version__.split(".")[:3])
+
+
+def deviceless_topology(target_config_text: str, arch: str, device_kind: str, devices: int = 1):
+    """A ROCm topology of ``devices`` GPUs of ``arch`` (one host) from XLA's
+    ``GpuTargetConfigProto`` text, with the two patches that let the compile-only plugin start
+    and Pallas lower for it:
+
+    * ``jax._src.hardware_utils.num_available_amd_gpus`` -> 1: the plugin refuses to initialise
+      when the kernel driver shows no GPU;
+    * Pallas' GPU-info registry learns ``device_kind`` -> ``arch``
+      (``k3pallas.testing.register_deviceless_gpu_kind``): the compile-only device reports its
+      marketing name ("MI300X") and no compute capability.
+
+    Call before the first use of the ROCm backend in the process. RuntimeError naming the version
+    on a jax these patches were not written for.
+    """
+    import jax
+
+    if _jax_version() not in ROCM_DEVICELESS_JAX:
+        raise RuntimeError(
+            f"the deviceless ROCm patches in bench.rocm_xla were written for jax "
+            f"{', '.join('.'.join(map(str, v)) for v in ROCM_DEVICELESS_JAX)}; this is jax "
+            f"{jax.__version__} (build the environment with python -m bench.rocm_env)")
+    from jax._src import hardware_utils
+    from jax.experimental import topologies
+
+    from k3pallas import testing
+
+    hardware_utils.num_available_amd_gpus = lambda stop_at=None: 1
+    testing.register_deviceless_gpu_kind(device_kind, arch)
+    return topologies.get_topology_desc("", "rocm", target_config=target_config_text,
+                                        topology=f"1x1x{devices}")
+
+
 class Compiler:
     """XLA's ROCm backend on a deviceless topology of ``devices`` GPUs of ``arch``.
 
@@ -124,11 +167,11 @@ class Compiler:
         import jax
         from jax.sharding import NamedSharding, PartitionSpec
 
-        from k3pallas import _compat, platform
+        from k3pallas import platform
 
         self.arch, self.env = arch, env
         with open(env["targets"][arch]) as fh:
-            self.topology = _compat.rocm_deviceless_topology(fh.read(), arch, env["devices"][arch],
+            self.topology = deviceless_topology(fh.read(), arch, env["devices"][arch],
                                                              devices=devices)
         from jax.experimental import topologies
 

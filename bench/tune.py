@@ -182,7 +182,7 @@ def main(argv=None):
                                         "points": points})
     print(md)
     if args.write:
-        path = launch._TUNED_PATH
+        path = launch.TUNED_PATH
         try:
             with open(path) as f:
                 data = json.load(f)

@@ -153,42 +153,6 @@ def register_deviceless_gpu_kind(device_kind: str, arch: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Compiling with XLA's own ROCm backend on a machine without a GPU (bench.rocm_check). Private jax,
-# written for and checked against jax 0.12.0 with jax-rocm7-plugin 0.12.0 (bench.rocm_env pins it).
-# ------------------------------------------------------------------------------------------------
-
-ROCM_DEVICELESS_JAX = ((0, 12, 0),)
-
-
-def rocm_deviceless_topology(target_config_text: str, arch: str, device_kind: str, devices: int = 1):
-    """A ROCm topology of ``devices`` GPUs of ``arch`` (one host) from XLA's
-    ``GpuTargetConfigProto`` text, with the two patches that let the compile-only plugin start
-    and Pallas lower for it:
-
-    * ``jax._src.hardware_utils.num_available_amd_gpus`` -> 1: the plugin refuses to initialise
-      when the kernel driver shows no GPU;
-    * ``jax._src.pallas.triton.gpu_info.registry[device_kind]``: the compile-only device reports
-      its marketing name (``"MI300X"``) and no compute capability, which Pallas' Triton lowering
-      does not map to an arch; the registry entry tells it ``arch``.
-
-    Call before the first use of the ROCm backend in the process. Raises RuntimeError naming the
-    version on a jax these patches were not written for.
-    """
-    if JAX_VERSION[:3] not in ROCM_DEVICELESS_JAX:
-        raise RuntimeError(
-            f"the deviceless ROCm patches in k3pallas._compat were written for jax "
-            f"{', '.join('.'.join(map(str, v)) for v in ROCM_DEVICELESS_JAX)}; this is jax "
-            f"{jax.__version__} (build the environment with python -m bench.rocm_env)")
-    from jax._src import hardware_utils
-    from jax.experimental import topologies
-
-    hardware_utils.num_available_amd_gpus = lambda stop_at=None: 1
-    register_deviceless_gpu_kind(device_kind, arch)
-    return topologies.get_topology_desc("", "rocm", target_config=target_config_text,
-                                        topology=f"1x1x{devices}")
-
-
-# ------------------------------------------------------------------------------------------------
 # The native float32 -> float8_e4m3fnuz cast in Pallas' Triton lowering (k3pallas.fp8_cast).
 # ------------------------------------------------------------------------------------------------
 

@@ -16,11 +16,11 @@ import re
 import jax
 import jax.numpy as jnp
 
-from k3pallas import _compat, platform as platform_lib
-from k3pallas._compat import triton_ir_modules  # noqa: F401  (re-exported: private jax inside)
+from k3pallas import platform as platform_lib
+from k3pallas._compat import register_deviceless_gpu_kind, triton_ir_modules  # noqa: F401  (re-exported: private jax inside)
 from k3pallas.kernels import common
 
-__all__ = ["KNOWN_TARGETS", "abstract_mesh", "lowering_platform", "lower_for", "triton_launches", "triton_ir_modules",
+__all__ = ["KNOWN_TARGETS", "abstract_mesh", "lowering_platform", "lower_for", "register_deviceless_gpu_kind", "triton_launches", "triton_ir_modules",
            "poisoned_outputs"]
 
 # Devices as jax presents them: platform "gpu" for both vendors, with the device kind that
@@ -45,7 +45,7 @@ def abstract_mesh(device_kind: str, platform: str = "gpu", shape=(1,), axis_name
     """
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-    _compat.register_deviceless_gpu_kind(device_kind, platform_lib.target_for(
+    register_deviceless_gpu_kind(device_kind, platform_lib.target_for(
         device_kind, platform).arch)
     return AbstractMesh(tuple(shape), tuple(axis_names), (AxisType.Auto,) * len(shape),
                         abstract_device=AbstractDevice(device_kind, _CORES.get(device_kind), platform))

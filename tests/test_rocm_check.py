@@ -9,7 +9,6 @@ import pytest
 
 import k3pallas as kp
 from bench import rocm_check
-from k3pallas import _compat
 from k3pallas import testing
 
 AMDGCN = """
@@ -196,9 +195,11 @@ def test_gate_cases():
 
 
 def test_deviceless_rocm_patches_refuse_an_unknown_jax(monkeypatch):
-    monkeypatch.setattr(_compat, "JAX_VERSION", (0, 11, 2))
+    from bench import rocm_xla
+
+    monkeypatch.setattr(rocm_xla, "_jax_version", lambda: (0, 11, 2))
     with pytest.raises(RuntimeError, match=r"written for jax 0\.12\.0; this is jax .*bench\.rocm_env"):
-        _compat.rocm_deviceless_topology("", "gfx942", "MI300X")
+        rocm_xla.deviceless_topology("", "gfx942", "MI300X")
 
 
 def test_amd_cost_model(tmp_path):

@@ -103,7 +103,7 @@ def heuristic_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: i
     return LaunchConfig(rows_per_program=rows, num_warps=num_warps, num_stages=1)
 
 
-_TUNED_PATH = os.path.join(os.path.dirname(__file__), "tuned_configs.json")
+TUNED_PATH = os.path.join(os.path.dirname(__file__), "tuned_configs.json")
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,7 +114,7 @@ def tuned_table() -> dict:
     that holds the row count. Missing file or entry: the heuristic decides.
     """
     try:
-        with open(_TUNED_PATH) as f:
+        with open(TUNED_PATH) as f:
             table = json.load(f).get("configs", {})
     except FileNotFoundError:
         return {}
