@@ -1,6 +1,7 @@
-"""The benchmark's view of each op of the table (``k3pallas.ops``): its model shapes, example
-arguments, unfused form and bytes moved. The benchmark, the tuning sweep, the ROCm gate and the
-generic API tests read it; the runtime does not.
+"""The benchmark's shapes as data: the token counts, and each op's view (``k3pallas.ops``): its
+model shapes, example arguments, unfused form and bytes moved; then the integration path that is
+not an op (the KDA output with its FP8 o_proj). The benchmark, the tuning sweep, the ROCm gate and
+the generic API tests read it; the runtime does not.
 
 ``OPS[name]``: a ``BenchOp`` with the op's table entry (``.op``) and
 
@@ -132,3 +133,18 @@ _CASES = [
 OPS: dict[str, BenchOp] = {case.name: case for case in _CASES}
 if set(OPS) != set(ops.OPS):
     raise RuntimeError(f"bench.cases: ops without a benchmark view: {sorted(set(ops.OPS) - set(OPS))}")
+
+
+DEFAULT_TOKENS = (1, 7, 64, 512, 4096, 16384, 65536)
+QUICK_TOKENS = (1, 64)
+
+# The KDA output path with its FP8 o_proj (bench.ops.make_case): Kimi-K3's KDA heads, eps and
+# hidden size (the o_proj's output width).
+KDA_OUTPUT = {name: dict(_KDA[name], eps=1e-5, hidden=7168) for name in ("kimi-k3-kda-tp8", "kimi-k3-kda")}
+# Each op's model configs (headline first), then the integration path's.
+OP_CONFIGS = {**{name: case.configs for name, case in OPS.items()}, "kda_output_fp8": tuple(KDA_OUTPUT)}
+ALL = tuple(OP_CONFIGS)
+# Default token counts where a path differs from DEFAULT_TOKENS: the KDA output path is bound by
+# its o_proj GEMM from a few thousand tokens on (and its large-T cases take minutes to autotune
+# and time), so the benchmark stops at 4096 there.
+OP_TOKENS = {"kda_output_fp8": (1, 7, 64, 512, 4096)}

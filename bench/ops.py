@@ -32,7 +32,6 @@ from bench import cases as ops
 from k3pallas import platform
 from k3pallas.kernels import launch
 
-from bench import shapes
 
 
 @dataclasses.dataclass
@@ -95,10 +94,10 @@ def make_case(op: str, config_name: str, tokens: int, dtype: str, impl: str) -> 
     if op in ops.OPS:
         make, variants, inb, outb, launch_cfg = _op_case(ops.OPS[op], config_name, tokens, dt, impl)
         return Case(op, config_name, tokens, dt.name, make, variants, inb + outb, inb, launch_cfg)
-    cfg = shapes.config(config_name)
     fp8_dtype = kp.default_fp8_dtype()
     if op == "kda_output_fp8":
-        h, d, eps, hidden = cfg.heads, cfg.head_dim, cfg.eps, cfg.hidden
+        cfg = ops.KDA_OUTPUT[config_name]
+        h, d, eps, hidden = cfg["heads"], cfg["dim"], cfg["eps"], cfg["hidden"]
         # One weight for every input set (it is a parameter; rotation applies to activations).
         w_o = _rand(jax.random.PRNGKey(1234), (h * d, hidden), dt) * (h * d) ** -0.5
         w8, ws = kp.quantize_weight_per_channel(w_o, fp8_dtype=fp8_dtype, w_layout="nk")
@@ -133,7 +132,7 @@ def make_case(op: str, config_name: str, tokens: int, dtype: str, impl: str) -> 
         if impl == "pallas":
             launch_cfg = _launch_of(fused, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in make(0)])
         return Case(op, config_name, tokens, dt.name, make, variants, inb + outb, inb, launch_cfg)
-    raise KeyError(f"unknown op {op!r}; known: {shapes.OPS}")
+    raise KeyError(f"unknown op {op!r}; known: {ops.ALL}")
 
 
 def copy_variants(bytes_moved: int):

@@ -595,12 +595,12 @@ def run_triton(tokens, ops, log, broken) -> tuple[list, str]:
 
 
 def main(argv=None):
-    from bench import shapes
+    from bench import cases as bench_cases
 
     p = argparse.ArgumentParser(prog="python -m bench.rocm_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compiler", choices=("xla", "triton", "both"), default="xla")
-    p.add_argument("--tokens", default=",".join(map(str, shapes.DEFAULT_TOKENS)))
+    p.add_argument("--tokens", default=",".join(map(str, bench_cases.DEFAULT_TOKENS)))
     p.add_argument("--ops", default=None, help="comma-separated ops (default: all)")
     p.add_argument("--no-programs", action="store_true", help="skip the whole-program report (xla)")
     p.add_argument("--broken", action="store_true", help="add a deliberately broken kernel (the gate must fail)")

@@ -24,7 +24,7 @@ import k3pallas as kp
 from k3pallas import platform
 
 from bench import ops as bench_ops
-from bench import shapes, timing
+from bench import cases, timing
 from bench.report import write_report
 
 CPU_TOKENS = (1, 7, 64)
@@ -200,15 +200,15 @@ def plot(records: list[dict], env: dict, path: str) -> bool:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default=",".join(shapes.OPS),
-                   help=f"comma-separated ops (default: all of {','.join(shapes.OPS)})")
+    p.add_argument("--ops", default=",".join(cases.ALL),
+                   help=f"comma-separated ops (default: all of {','.join(cases.ALL)})")
     p.add_argument("--tokens", default=None,
                    help="comma-separated token counts (default: "
-                        f"{','.join(map(str, shapes.DEFAULT_TOKENS))} on a GPU, "
+                        f"{','.join(map(str, cases.DEFAULT_TOKENS))} on a GPU, "
                         f"{','.join(map(str, CPU_TOKENS))} on the CPU)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--configs", default=None,
-                   help="comma-separated model configs (default: each op's own, bench/shapes.py)")
+                   help="comma-separated model configs (default: each op's own, bench/cases.py)")
     p.add_argument("--out", default=os.path.join("bench", "out"), help="output folder")
     p.add_argument("--calls", type=int, default=30, help="timed calls per variant (>= 20 on GPU)")
     p.add_argument("--quick", action="store_true",
@@ -223,8 +223,8 @@ def main(argv=None) -> int:
     impl = "pallas" if gpu else "interpret"
     op_names = [o for o in args.ops.split(",") if o]
     for o in op_names:
-        if o not in shapes.OP_CONFIGS:
-            raise SystemExit(f"unknown op {o!r}; known: {', '.join(shapes.OPS)}")
+        if o not in cases.OP_CONFIGS:
+            raise SystemExit(f"unknown op {o!r}; known: {', '.join(cases.ALL)}")
     if args.tokens:
         try:
             tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
@@ -234,9 +234,9 @@ def main(argv=None) -> int:
         if not tokens or min(tokens) < 1:
             raise SystemExit(f"--tokens: expected whole numbers >= 1, got {args.tokens!r}")
     elif args.quick:
-        tokens = list(shapes.QUICK_TOKENS)
+        tokens = list(cases.QUICK_TOKENS)
     else:
-        tokens = list(shapes.DEFAULT_TOKENS if gpu else CPU_TOKENS)
+        tokens = list(cases.DEFAULT_TOKENS if gpu else CPU_TOKENS)
     calls = 5 if args.quick else args.calls
     env = environment(target)
     env.update({"impl": impl, "dtype": args.dtype, "calls": calls,
@@ -246,12 +246,12 @@ def main(argv=None) -> int:
              "the numbers are CPU WALL-CLOCK times, not kernel performance.")
     jobs = []
     for op in op_names:
-        cfgs = args.configs.split(",") if args.configs else list(shapes.OP_CONFIGS[op])
+        cfgs = args.configs.split(",") if args.configs else list(cases.OP_CONFIGS[op])
         if args.quick and not args.configs:
             cfgs = cfgs[:1]
         op_tokens = tokens
-        if not args.tokens and not args.quick and gpu and op in shapes.OP_TOKENS:
-            op_tokens = list(shapes.OP_TOKENS[op])
+        if not args.tokens and not args.quick and gpu and op in cases.OP_TOKENS:
+            op_tokens = list(cases.OP_TOKENS[op])
         for cfg in cfgs:
             for t in op_tokens:
                 jobs.append((op, cfg, t))

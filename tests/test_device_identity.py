@@ -189,11 +189,9 @@ def test_fp8_format_from_the_operands_mesh_without_a_mesh_in_scope():
 
 
 def _bench_cases():
-    from bench import shapes
-
     for name, op in k3ops.OPS.items():
         for cfg in op.configs:
-            yield name, op, cfg, shapes.DEFAULT_TOKENS
+            yield name, op, cfg, k3ops.DEFAULT_TOKENS
 
 
 @pytest.mark.parametrize("arch", list(testing.KNOWN_TARGETS))
