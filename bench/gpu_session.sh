@@ -6,7 +6,7 @@
 # all written under $OUT (the device tool brings that folder back). Usage, on the GPU machine:
 #   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded] [ncu]
 # ncu: NCU_CASES="OP:CONFIG:T ..."
-# (Nsight Compute on each case's first kernel launch, bench.profile_cases; all into ncu.txt).
+# (Nsight Compute on each case's first kernel launch, bench.inspection.profile_cases; all into ncu.txt).
 # tests: ~300 s on the H200 (126 GPU tests), so it and bench (~300 s) need two calls of 600 s.
 # The GPU machine's copy of .git can be older than the tree sent: pass the commit measured, e.g.
 #   K3PALLAS_GIT_COMMIT=<git rev-parse --short HEAD, here> (bench/run.py records it).
@@ -21,10 +21,10 @@ for step in $steps; do
   start=$(date +%s)
   case $step in
     tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu tests -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
-    trace) timeout 60 python3 -m bench.trace_dump "$OUT/trace_sample.json" 2>&1 | tail -8 ;;
+    trace) timeout 60 python3 -m bench.inspection.trace_dump "$OUT/trace_sample.json" 2>&1 | tail -8 ;;
     bench) timeout ${BENCH_TIMEOUT:-300} python3 -m bench --out "$OUT" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" | grep -v '^\[' | tail -60 ;;
     tune) timeout ${TUNE_TIMEOUT:-240} python3 -m bench.tune --out "$OUT" $TUNE_ARGS 2>"$OUT/tune.log" | tail -40 ;;
-    hlo) timeout 180 python3 -m bench.hlo_report --out "$OUT" 2>"$OUT/hlo_report.log" | tail -12 ;;
+    hlo) timeout 180 python3 -m bench.inspection.hlo_report --out "$OUT" 2>"$OUT/hlo_report.log" | tail -12 ;;
     model) timeout 180 python3 -m k3pallas.models.kimi_k3 --tokens ${MODEL_TOKENS:-4096} --impl pallas 2>&1 | grep -v Warning | tee "$OUT/model_block.log" ;;
     ncu) for c in ${NCU_CASES:-}; do
            op=${c#copy:}; op=${op%%:*}; k="regex:k3pallas_${op}\$"; [[ $c == copy:* ]] && k="regex:xor"
@@ -32,10 +32,10 @@ for step in $steps; do
            # No preallocation: ncu saves and restores the process's device memory for each replay pass.
            XLA_PYTHON_CLIENT_PREALLOCATE=false timeout --kill-after=10 ${NCU_TIMEOUT:-90} ncu -k "$k" --launch-count 1 --section SpeedOfLight \
              --section MemoryWorkloadAnalysis --section WarpStateStats --section InstructionStats \
-             --section LaunchStats --section Occupancy python3 -m bench.profile_cases "$c" >>"$OUT/ncu.txt" 2>&1
+             --section LaunchStats --section Occupancy python3 -m bench.inspection.profile_cases "$c" >>"$OUT/ncu.txt" 2>&1
            echo "ncu $c: rc $?"
          done ;;
-    sharded) timeout ${SHARDED_TIMEOUT:-300} python3 -m bench.sharded --out "$OUT" 2>"$OUT/sharded.log" | tail -30 ;;
+    sharded) timeout ${SHARDED_TIMEOUT:-300} python3 -m bench.inspection.sharded --out "$OUT" 2>"$OUT/sharded.log" | tail -30 ;;
   esac
   echo "== $step took $(( $(date +%s) - start )) s"
 done

@@ -41,7 +41,7 @@ def test_parser_synthetic():
 
 
 def test_parser_recorded_h200_trace():
-    """A trace recorded on the H200 (bench/trace_dump.py): 2 calls each of the fused kernel, the
+    """A trace recorded on the H200 (bench/inspection/trace_dump.py): 2 calls each of the fused kernel, the
     XLA reference (2 fusions per call) and a copy (MemcpyD2D) on one stream line."""
     with open(os.path.join(ROOT, "tests", "data", "h200_trace_sample.json")) as f:
         rec = json.load(f)

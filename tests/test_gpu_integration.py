@@ -13,7 +13,7 @@ import k3pallas as kp
 from k3pallas.models import kimi_k3
 from k3pallas import testing
 
-from bench import hlo
+from bench.inspection import hlo
 from oracle import ORACLE_TOL, REFERENCE_TOL, assert_close, f64, rmsnorm64
 
 pytestmark = pytest.mark.gpu

@@ -1,5 +1,5 @@
 """The ROCm compile gate's parsing and gate logic (the compile itself runs in CI with the
-rocm-check extra: ``python -m bench.rocm_check --check``); and the Triton IR it compiles."""
+rocm-check extra: ``python -m bench.rocm.check --check``); and the Triton IR it compiles."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import k3pallas as kp
-from bench import rocm_check
+from bench.rocm import check as rocm_check
 from k3pallas import testing
 
 AMDGCN = """
@@ -109,7 +109,7 @@ DISASSEMBLY = """
 
 
 def test_xla_hsaco_parsers():
-    from bench import rocm_xla
+    from bench.rocm import xla as rocm_xla
 
     (k,) = rocm_xla.parse_notes(NOTES)
     assert k == {"kernel": "k3pallas_rmsnorm_gated_fp8", "vgpr": 76, "sgpr": 24, "agpr": 4,
@@ -122,7 +122,7 @@ def test_xla_hsaco_parsers():
 
 
 def test_occupancy_formula():
-    from bench.rocm_xla import occupancy
+    from bench.rocm.xla import occupancy
 
     assert occupancy("gfx942", 28, 0, 28, 16, 4) == 8
     assert occupancy("gfx942", 81, 0, 30, 0, 1) == 5  # 88 of 512 VGPRs
@@ -135,7 +135,7 @@ def test_occupancy_formula():
 
 
 def test_rocm_env_errors_are_one_line(monkeypatch, tmp_path, capsys):
-    from bench import rocm_env
+    from bench.rocm import env as rocm_env
 
     with pytest.raises(rocm_env.SetupError, match="needs Python >= 3.12; none found"):
         rocm_env._find_python(str(tmp_path / "no-python"))
@@ -158,7 +158,7 @@ def test_rocm_env_errors_are_one_line(monkeypatch, tmp_path, capsys):
 
 
 def test_target_configs_are_read_from_the_plugin_binary(tmp_path):
-    from bench import rocm_env
+    from bench.rocm import env as rocm_env
 
     def proto(arch, name):
         return (f"# proto-file: x.proto\n# proto-message: stream_executor.GpuTargetConfigProto\n"
@@ -195,10 +195,10 @@ def test_gate_cases():
 
 
 def test_deviceless_rocm_patches_refuse_an_unknown_jax(monkeypatch):
-    from bench import rocm_xla
+    from bench.rocm import xla as rocm_xla
 
     monkeypatch.setattr(rocm_xla, "_jax_version", lambda: (0, 11, 2))
-    with pytest.raises(RuntimeError, match=r"written for jax 0\.12\.0; this is jax .*bench\.rocm_env"):
+    with pytest.raises(RuntimeError, match=r"written for jax 0\.12\.0; this is jax .*bench\.rocm\.env"):
         rocm_xla.deviceless_topology("", "gfx942", "MI300X")
 
 
@@ -208,7 +208,7 @@ def test_amd_cost_model(tmp_path):
     wavefront's serial chain (per round of resident wavefronts)."""
     import json
 
-    from bench import amd_cost
+    from bench.rocm import amd_cost
 
     devices = {"gfx942": {"core_count": 304, "clock_rate_ghz": 2.1}}
     base = {"arch": "gfx942", "op": "per_token_fp8_quant", "config": "kimi-linear-kda",

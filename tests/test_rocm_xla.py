@@ -1,5 +1,5 @@
 """The ROCm compile gate on XLA's own ROCm compiler, end to end. Needs the environment that
-``python -m bench.rocm_env`` builds (CI builds it, then runs this file with
+``python -m bench.rocm.env`` builds (CI builds it, then runs this file with
 ``K3PALLAS_ROCM_ENV_JSON`` set); skipped without it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from bench import rocm_check, rocm_env
+from bench.rocm import check as rocm_check, env as rocm_env
 
 ENV = os.environ.get("K3PALLAS_ROCM_ENV_JSON") or os.path.join(rocm_env.default_dir(), "env.json")
 pytestmark = pytest.mark.skipif(not os.path.exists(ENV), reason=f"no ROCm compile environment at {ENV}")

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import k3pallas as kp
 from k3pallas.models import kimi_k3
 
-from bench.hlo import compiled_text
+from bench.inspection.hlo import compiled_text
 
 IMPLS = ["interpret", "reference"]
 TP = 4

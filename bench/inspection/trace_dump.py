@@ -1,4 +1,4 @@
-"""``python -m bench.trace_dump OUT.json``: record the device events of a few k3pallas and XLA
+"""``python -m bench.inspection.trace_dump OUT.json``: record the device events of a few k3pallas and XLA
 calls as JSON (planes, lines, events), to check the trace parser against a real GPU trace."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``python -m bench.sharded --out DIR``: every op sharded over the local GPUs against one GPU.
+"""``python -m bench.inspection.sharded --out DIR``: every op sharded over the local GPUs against one GPU.
 
 Tokens are sharded over all GPUs (a data-parallel split); for the gated ops the heads are
 sharded too (tensor parallelism), with the FP8 scale local to each GPU's heads

@@ -1,4 +1,4 @@
-"""``python -m bench.hlo_report --out DIR``: what XLA compiles the integration paths into.
+"""``python -m bench.inspection.hlo_report --out DIR``: what XLA compiles the integration paths into.
 
 For each path (the MLA front-end norm on the packed projection and after slicing; the FP8 o_proj
 with its weight stored [K, N] and [N, K], with the default and the highest precision; the bf16
@@ -19,7 +19,8 @@ from jax import lax
 
 import k3pallas as kp
 
-from bench import hlo, timing
+from bench import timing
+from bench.inspection import hlo
 from bench.report import write_report
 
 

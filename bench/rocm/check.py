@@ -1,4 +1,4 @@
-"""``python -m bench.rocm_check``: compile every kernel for gfx942 and gfx950 on the CPU and gate it.
+"""``python -m bench.rocm.check``: compile every kernel for gfx942 and gfx950 on the CPU and gate it.
 
 No ROCm GPU is needed. For every public kernel, the benchmark's model configs and token counts,
 each FP8 kernel with both FP8 conversion paths (the integer encoder and the native cast), and the
@@ -9,8 +9,8 @@ SIMD), instruction count, and the FP8 conversion instructions used.
 Two compilers (``--compiler``):
 
 * ``xla`` (default, what CI gates): XLA's own ROCm backend from ``jax-rocm7-pjrt`` /
-  ``jax-rocm7-plugin``, deviceless, in the environment ``python -m bench.rocm_env`` builds
-  (``bench.rocm_xla`` runs there, one process per arch). This is the compiler a MI300X / MI355X
+  ``jax-rocm7-plugin``, deviceless, in the environment ``python -m bench.rocm.env`` builds
+  (``bench.rocm.xla`` runs there, one process per arch). This is the compiler a MI300X / MI355X
   user's jax runs: XLA's Triton fork, its pass pipeline, LLVM AMDGPU, and the HSACO it would load.
   It also compiles the Kimi-K3 blocks (``k3pallas.models.kimi_k3``) as whole programs and reports
   what XLA makes of them (``--no-programs`` skips them).
@@ -18,7 +18,7 @@ Two compilers (``--compiler``):
   ``rocm-check`` extra) for ``GPUTarget("hip", arch, 64)``. Kept for what the XLA path does not
   give: a second, independent compiler's figures (``both`` puts them side by side), and
   Triton's own ``; Occupancy`` line, against which the occupancy formula used on XLA's HSACO
-  (``bench.rocm_xla.occupancy``) was checked (equal on all 132 kernels of the last pip gate).
+  (``bench.rocm.xla.occupancy``) was checked (equal on all 132 kernels of the last pip gate).
 
 ``--check`` fails on a compile error, any spill or scratch use, or an occupancy below
 ``MIN_OCCUPANCY`` waves per SIMD. Why 4: these kernels are memory-bound and do one pass, so they
@@ -501,7 +501,7 @@ def run_xla(all_cases, programs, log, env_dir=None, sharded=(), parallel=2) -> t
     1-device programs, one for the programs with Triton GEMMs off (what the FP8 o_proj becomes
     then), and one per sharded case (8-device topology; a fresh process, so that every kernel's
     HSACO is written anew). ``parallel`` workers at a time."""
-    from bench import rocm_env
+    from bench.rocm import env as rocm_env
 
     env = rocm_env.ensure(env_dir, log=log)
     program_cases = [{"program": p, "tokens": t} for p in programs for t in PROGRAM_TOKENS]
@@ -528,7 +528,7 @@ def run_xla(all_cases, programs, log, env_dir=None, sharded=(), parallel=2) -> t
                      "K3PALLAS_XLA_DUMP": dump, "XLA_FLAGS": xla_flags}
             out = os.path.join(work, f"{i}-out.json")
             worker_mode = "sharded" if mode == "sharded" else "kernels"
-            proc = subprocess.Popen([env["python"], "-m", "bench.rocm_xla", arch, path, out, worker_mode],
+            proc = subprocess.Popen([env["python"], "-m", "bench.rocm.xla", arch, path, out, worker_mode],
                                     env=rocm_env.worker_environ(env, extra), cwd=rocm_env._repo_root(),
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             return (job, out, proc)
@@ -565,7 +565,7 @@ def run_xla(all_cases, programs, log, env_dir=None, sharded=(), parallel=2) -> t
 
 
 def target_devices(env) -> dict:
-    """CUs, clock and bandwidth of each arch, from XLA's own target config (for bench.amd_cost)."""
+    """CUs, clock and bandwidth of each arch, from XLA's own target config (for bench.rocm.amd_cost)."""
     out = {}
     for arch, path in env["targets"].items():
         with open(path) as f:
@@ -577,14 +577,16 @@ def target_devices(env) -> dict:
 
 
 def run_triton(tokens, ops, log, broken) -> tuple[list, str]:
+    from bench.rocm import env as rocm_env
+
     with tempfile.TemporaryDirectory() as work:
         manifest = extract(tokens, ops, work, log, broken)
         path = os.path.join(work, "manifest.json")
         with open(path, "w") as f:
             json.dump(manifest, f)
-        proc = subprocess.run([sys.executable, "-m", "bench.rocm_check", "--compile-manifest", path],
+        proc = subprocess.run([sys.executable, "-m", "bench.rocm.check", "--compile-manifest", path],
                               capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                              cwd=rocm_env._repo_root())
         if proc.returncode != 0:
             sys.stderr.write(proc.stderr[-5000:])
             raise SystemExit("the triton compile process failed (is the rocm-check extra installed?)")
@@ -597,14 +599,14 @@ def run_triton(tokens, ops, log, broken) -> tuple[list, str]:
 def main(argv=None):
     from bench import cases as bench_cases
 
-    p = argparse.ArgumentParser(prog="python -m bench.rocm_check", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.rocm.check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compiler", choices=("xla", "triton", "both"), default="xla")
     p.add_argument("--tokens", default=",".join(map(str, bench_cases.DEFAULT_TOKENS)))
     p.add_argument("--ops", default=None, help="comma-separated ops (default: all)")
     p.add_argument("--no-programs", action="store_true", help="skip the whole-program report (xla)")
     p.add_argument("--broken", action="store_true", help="add a deliberately broken kernel (the gate must fail)")
-    p.add_argument("--env-dir", default=None, help="the bench.rocm_env folder (default: its default)")
+    p.add_argument("--env-dir", default=None, help="the bench.rocm.env folder (default: its default)")
     p.add_argument("--out", default=os.path.join("bench", "out"))
     p.add_argument("--stem", default="rocm_check", help="output file names (<stem>.md / .json)")
     p.add_argument("--check", action="store_true", help="exit 1 on any gate failure")
@@ -618,7 +620,7 @@ def main(argv=None):
 
     import jax
 
-    from bench import rocm_env
+    from bench.rocm import env as rocm_env
 
     t0 = time.time()
     log = lambda m: print(f"[{time.time() - t0:6.1f}s] {m}", file=sys.stderr, flush=True)  # noqa: E731

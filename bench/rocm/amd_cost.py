@@ -1,7 +1,7 @@
-"""``python -m bench.amd_cost``: an ESTIMATE, not a measurement, of the FP8 kernels' time on AMD.
+"""``python -m bench.rocm.amd_cost``: an ESTIMATE, not a measurement, of the FP8 kernels' time on AMD.
 
 No AMD GPU was reachable for this project, so this is a model built from what the ROCm compile
-gate (``python -m bench.rocm_check``, XLA's ROCm compiler) reports for each FP8 kernel, token count
+gate (``python -m bench.rocm.check``, XLA's ROCm compiler) reports for each FP8 kernel, token count
 and FP8 conversion path (integer encoder or native conversion), and published figures. Per kernel:
 
   predicted = launch floor + max(memory time, VALU throughput time, serial time)
@@ -88,10 +88,10 @@ def markdown(rows, gate) -> str:
     devices = gate["meta"]["devices"]
     out = ["# ESTIMATE: FP8 kernels on MI300X / MI355X, integer encoder vs native conversion", "",
            "Not measured (no AMD GPU was reachable): a model from the instruction counts that "
-           "XLA's ROCm compiler gives (`python -m bench.rocm_check`, "
+           "XLA's ROCm compiler gives (`python -m bench.rocm.check`, "
            f"{gate['meta'].get('compiler')}), achievable bandwidths and two ASSUMED constants "
            f"(launch floor {LAUNCH_FLOOR_US} us, HBM latency {HBM_LATENCY_US} us). Method and "
-           "limits: `bench/amd_cost.py`. Times in us per call: predicted = launch floor + the "
+           "limits: `bench/rocm/amd_cost.py`. Times in us per call: predicted = launch floor + the "
            "largest of `mem` (bytes / bandwidth), `VALU` (issue time of the busiest CU, "
            "transcendentals at quarter rate) and `serial` (one wavefront's chain and two HBM "
            "round trips, per round of resident wavefronts). The one measured AMD anchor: the "
@@ -118,10 +118,10 @@ def markdown(rows, gate) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.amd_cost", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.rocm.amd_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gate", default=os.path.join("bench", "results", "rocm_check.json"),
-                   help="the XLA gate's JSON (python -m bench.rocm_check)")
+                   help="the XLA gate's JSON (python -m bench.rocm.check)")
     p.add_argument("--out", default=os.path.join("bench", "out"))
     args = p.parse_args(argv)
     with open(args.gate) as f:

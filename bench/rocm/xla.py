@@ -1,7 +1,7 @@
-"""The XLA-ROCm side of the ROCm compile gate: runs inside the environment of ``bench.rocm_env``.
+"""The XLA-ROCm side of the ROCm compile gate: runs inside the environment of ``bench.rocm.env``.
 
-One process per arch (``python -m bench.rocm_xla ARCH CASES.json OUT.json``, started by
-``bench.rocm_check`` with ``bench.rocm_env.worker_environ``): it builds the deviceless topology
+One process per arch (``python -m bench.rocm.xla ARCH CASES.json OUT.json``, started by
+``bench.rocm.check`` with ``bench.rocm.env.worker_environ``): it builds the deviceless topology
 from XLA's target config for that arch, compiles every case with ``jax.jit(...).lower().compile()``
 through XLA's ROCm backend (XLA's own Triton, its pass pipeline, LLVM AMDGPU: what a MI300X /
 MI355X user's jax does), and reads what came out:
@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from bench.rocm_check import FP8_CVT
+from bench.rocm.check import FP8_CVT
 
 LDS_PER_CU = {"gfx942": 65536, "gfx950": 163840}
 TRANSCENDENTAL = ("v_exp_", "v_log_", "v_rcp_", "v_rsq_", "v_sqrt_", "v_sin_", "v_cos_")
@@ -113,7 +113,7 @@ def _newest_thunks(dump_dir, seen):
 
 
 # The private jax these patches touch was read in, and the gate checked against, jax 0.12.0
-# with jax-rocm7-plugin 0.12.0 (bench.rocm_env pins both).
+# with jax-rocm7-plugin 0.12.0 (bench.rocm.env pins both).
 ROCM_DEVICELESS_JAX = ((0, 12, 0),)
 
 
@@ -141,9 +141,9 @@ def deviceless_topology(target_config_text: str, arch: str, device_kind: str, de
 
     if _jax_version() not in ROCM_DEVICELESS_JAX:
         raise RuntimeError(
-            f"the deviceless ROCm patches in bench.rocm_xla were written for jax "
+            f"the deviceless ROCm patches in bench.rocm.xla were written for jax "
             f"{', '.join('.'.join(map(str, v)) for v in ROCM_DEVICELESS_JAX)}; this is jax "
-            f"{jax.__version__} (build the environment with python -m bench.rocm_env)")
+            f"{jax.__version__} (build the environment with python -m bench.rocm.env)")
     from jax._src import hardware_utils
     from jax.experimental import topologies
 
@@ -273,12 +273,12 @@ class Compiler:
 
 
 def smoke():
-    """Compile one small jnp function for gfx942 (``bench.rocm_env``'s check)."""
+    """Compile one small jnp function for gfx942 (``bench.rocm.env``'s check)."""
     import tempfile
 
     import jax.numpy as jnp
 
-    from bench import rocm_env
+    from bench.rocm import env as rocm_env
 
     env = rocm_env.load()
     with tempfile.TemporaryDirectory() as d:
@@ -295,10 +295,10 @@ _HLO_FP8 = re.compile(r"= \(?(f8e4m3fnuz|f8e4m3fn|f8e5m2)\[[^\n]*__gpu\$xla\.gpu
 
 
 def sharded(comp, case) -> list[dict]:
-    """One sharded program (``bench.rocm_check.sharded_fn``) on the 8-device topology: a row per
+    """One sharded program (``bench.rocm.check.sharded_fn``) on the 8-device topology: a row per
     k3pallas kernel launched in it, with what the gate checks (FP8 format, native conversion,
     threads, spills, occupancy)."""
-    from bench import rocm_check
+    from bench.rocm import check as rocm_check
 
     t0 = time.time()
     try:
@@ -336,7 +336,7 @@ def sharded(comp, case) -> list[dict]:
 def main(arch, cases_path, out_path, mode="kernels"):
     """``mode``: "kernels" (the kernel cases and 1-device programs), "sharded" (one sharded case
     on an 8-device topology; a process of its own, so every kernel's HSACO is new)."""
-    from bench import rocm_check, rocm_env
+    from bench.rocm import check as rocm_check, env as rocm_env
 
     env = rocm_env.load()
     with open(cases_path) as fh:

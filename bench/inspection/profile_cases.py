@@ -1,6 +1,6 @@
-"""``python -m bench.profile_cases OP:CONFIG:T ...``: run each case's fused kernel a few times
+"""``python -m bench.inspection.profile_cases OP:CONFIG:T ...``: run each case's fused kernel a few times
 (random bf16 inputs, each op's own launch config), for a profiler wrapped around this process
-(for example Nsight Compute: ``ncu -k regex:k3pallas ... python -m bench.profile_cases ...``).
+(for example Nsight Compute: ``ncu -k regex:k3pallas ... python -m bench.inspection.profile_cases ...``).
 Prints each case's launches. ``copy:OP:CONFIG:T`` runs the benchmark's copy ceiling of that
 case's bytes instead (its XLA xor kernel: ``ncu -k regex:xor``). Not part of the benchmark: a
 helper for bench/NOTES.md's profiles.

@@ -1,4 +1,4 @@
-"""``python -m bench.nv_regs OP:CONFIG:T ...``: registers per thread of the kernels for an H200
+"""``python -m bench.inspection.nv_regs OP:CONFIG:T ...``: registers per thread of the kernels for an H200
 (sm_90), offline: the Triton IR from deviceless lowering, compiled by pip ``triton`` and its
 ``ptxas -v`` (``pip install triton``; not a dependency of the package). An ESTIMATE of what the
 GPU's own compile gives (XLA's Triton differs from pip's; on the H200, Nsight Compute read 74
@@ -19,7 +19,7 @@ import tempfile
 from bench import cases as ops
 from k3pallas import testing
 
-from bench import rocm_check
+from bench.rocm import check as rocm_check
 
 
 def registers(case: str) -> list[tuple[str, int, int]]:

@@ -1,4 +1,4 @@
-"""``python -m bench.rocm_env``: build the compile-only ROCm environment, in one command.
+"""``python -m bench.rocm.env``: build the compile-only ROCm environment, in one command.
 
 What a MI300X / MI355X user runs is XLA's ROCm backend (``jax-rocm7-pjrt`` + ``jax-rocm7-plugin``)
 with its own Triton fork and LLVM AMDGPU. That compiler also runs on a CPU-only machine, deviceless,
@@ -22,7 +22,7 @@ or ``$K3PALLAS_ROCM_ENV``, or ``--dir``):
    run as root) to read the HSACO that XLA writes. LLVM 22, not 19: LLVM 19 cannot decode gfx950
    code (its FP8 conversions come out as ``.long`` words).
 
-The result is ``env.json`` in that folder; ``bench.rocm_check`` reads it. A missing piece (no
+The result is ``env.json`` in that folder; ``bench.rocm.check`` reads it. A missing piece (no
 gcc, no network for pip, no Python 3.12, a plugin without the expected target configs) ends the
 command with one line saying what is missing (exit 2), not a traceback.
 """
@@ -258,7 +258,7 @@ def llvm_tools(install: bool) -> dict:
 
 def smoke_test(env) -> None:
     """Compile one jnp function for gfx942 through the plugin: proves the environment works."""
-    code = ("import bench.rocm_xla as r; r.smoke()")
+    code = ("import bench.rocm.xla as r; r.smoke()")
     proc = subprocess.run([env["python"], "-c", code], capture_output=True, text=True,
                           env=worker_environ(env), cwd=_repo_root())
     if proc.returncode != 0:
@@ -267,7 +267,7 @@ def smoke_test(env) -> None:
 
 
 def _repo_root():
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def worker_environ(env, extra=None) -> dict:
@@ -317,13 +317,13 @@ def load(path=None) -> dict:
     """The environment described by ``path`` (default: the worker's, then the default folder)."""
     path = path or os.environ.get("K3PALLAS_ROCM_ENV_JSON") or os.path.join(default_dir(), "env.json")
     if not os.path.exists(path):
-        raise SetupError(f"no ROCm compile environment at {path}: run python -m bench.rocm_env")
+        raise SetupError(f"no ROCm compile environment at {path}: run python -m bench.rocm.env")
     with open(path) as fh:
         return json.load(fh)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.rocm_env", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.rocm.env", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default=None, help="environment folder (default: %(default)s → "
                    "$K3PALLAS_ROCM_ENV or ~/.cache/k3pallas/rocm-xla-<jax>)")
