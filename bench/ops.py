@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import k3pallas as kp
 from bench import cases as ops
 from k3pallas import platform
-from k3pallas.kernels import launch
+from k3pallas.kernels import hooks, launch
 
 
 
@@ -63,7 +63,7 @@ def _fill(key, structs):
 
 def _launch_of(fn, args) -> launch.LaunchConfig | None:
     """The launch config the first kernel of ``fn`` picks for ``args`` (traced, not run)."""
-    with launch.recording() as log:
+    with hooks.recording() as log:
         jax.jit(fn).trace(*args)
     return log[0].config if log else None
 

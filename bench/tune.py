@@ -1,7 +1,7 @@
 """``python -m bench.tune``: sweep launch configs on the GPU and write the per-platform table.
 
 For each op of the op table (``k3pallas.ops``), its model configs and each token count, it times
-every (rows per program, num_warps) pair (``k3pallas.kernels.launch.forced``) with device-side
+every (rows per program, num_warps) pair (``k3pallas.kernels.hooks.forced``) with device-side
 timing (the kernels have no loop, so ``num_stages`` stays 1), and, with ``--splits 1,2``, a row
 block on one or two programs for the ops that can do that (``LaunchConfig.split``: the joint
 norms; the others skip it), and compares the best with the heuristic default. ``--write`` merges the winners into ``k3pallas/kernels/tuned_configs.json``
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from bench import cases as ops
 from k3pallas import platform
-from k3pallas.kernels import common, launch
+from k3pallas.kernels import common, hooks, launch
 
 from bench import ops as bench_ops
 from bench import timing
@@ -35,7 +35,7 @@ ROWS = (1, 2, 4)
 WARPS = (1, 2, 4, 8, 16)
 def _op_fn(name, cfg_name, dtype):
     """(make_inputs(seed, T), fn(config, *inputs), (row_elems, max_tile)(T)) of an op of the
-    table, its launch forced to ``config`` (``launch.forced``)."""
+    table, its launch forced to ``config`` (``hooks.forced``)."""
     spec = ops.OPS[name]
     dt = jnp.dtype(dtype)
 
@@ -46,12 +46,12 @@ def _op_fn(name, cfg_name, dtype):
         return bench_ops._fill(jax.random.PRNGKey(seed), structs)
 
     def fn(config, *a):
-        with launch.forced(config):
+        with hooks.forced(config):
             return spec.fn(*a, impl="pallas", **options)
 
     def key(t):
         structs, _ = spec.example(t, dt, **spec.sizes[cfg_name])
-        with launch.recording() as log:
+        with hooks.recording() as log:
             jax.jit(lambda *a: spec.fn(*a, impl="pallas", **options)).trace(*structs)
         return log[0].row_elems, log[0].max_tile_row_elems
     return make, fn, key

@@ -179,6 +179,7 @@ def _call(op: Op, impl, arrays, options, originals):
         return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
                                       jax.eval_shape(ref, *arrays))
     from k3pallas import kernels
+    from k3pallas.kernels import hooks
 
     fp8 = options.get("fp8")
     if fp8 is not None and fp8.cast is None:  # $K3PALLAS_FP8_CAST, read per call: a kernel's
@@ -188,7 +189,7 @@ def _call(op: Op, impl, arrays, options, originals):
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
     run = sharding.partitioned(name, rule, _on_target(kernels.entry(name)),
-                               cache_key=kernels.trace_context(), interpret=impl == "interpret",
+                               cache_key=hooks.trace_key(), interpret=impl == "interpret",
                                target=platform.current_target(), **options)
     try:
         return _inference_only(name, run, *arrays)

@@ -30,7 +30,7 @@ import jax
 from k3pallas import _compat
 
 __all__ = ["Target", "current_target", "target_for", "target_of_device", "target_from_name",
-           "device_platform", "compiling_for", "MAX_THREADS_PER_PROGRAM"]
+           "device_platform", "compiling_for", "target_override", "MAX_THREADS_PER_PROGRAM"]
 
 # Threads in one program (CUDA block / AMD workgroup): 1024 on every NVIDIA and AMD GPU
 # (AMD: ``.max_flat_workgroup_size`` 1024, i.e. 16 wavefronts of 64).
@@ -188,6 +188,11 @@ def target_from_name(name: str) -> Target:
 
 
 _TARGET_OVERRIDE = contextvars.ContextVar("k3pallas_target", default=None)
+
+
+def target_override() -> Target | None:
+    """The target of the ``compiling_for`` in force, or None."""
+    return _TARGET_OVERRIDE.get()
 
 
 @contextlib.contextmanager

@@ -186,7 +186,7 @@ def partitioned(op: str, rule: Rule, local, *, cache_key=(), **statics):
     ``reduce_axes`` are the mesh axes sharding ``rule.reduced`` factors (empty when none are).
     Built once per (op, rule, local, statics, cache_key): statics must be hashable. jax caches
     the trace of a built function per argument shapes, so ``cache_key`` must hold whatever else
-    decides what ``local`` traces (``k3pallas.kernels.trace_context``).
+    decides what ``local`` traces (``k3pallas.kernels.hooks.trace_key``).
     """
     return _build(op, rule, local, tuple(sorted(statics.items())), cache_key)
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from k3pallas import platform as platform_lib
 from k3pallas._compat import register_deviceless_gpu_kind, triton_ir_modules  # noqa: F401  (re-exported: private jax inside)
-from k3pallas.kernels import common
+from k3pallas.kernels import common, hooks
 
 __all__ = ["KNOWN_TARGETS", "abstract_mesh", "lowering_platform", "lower_for", "register_deviceless_gpu_kind", "triton_launches", "triton_ir_modules",
            "poisoned_outputs"]
@@ -104,5 +104,5 @@ def poisoned_outputs():
             call.out_shapes, call.row_spec, call.out_poison,
             {n_in + j: j for j in range(n_out)})
 
-    with common.wrapping(poison):
+    with hooks.wrapping(poison):
         yield

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import k3pallas as kp
 from bench import cases as k3ops
 from k3pallas import platform, testing
-from k3pallas.kernels import launch
+from k3pallas.kernels import hooks, launch
 
 S = jax.ShapeDtypeStruct
 FNUZ, FN = jnp.dtype(jnp.float8_e4m3fnuz), jnp.dtype(jnp.float8_e4m3fn)
@@ -164,7 +164,7 @@ def test_shard_map_and_named_sharding_on_an_8_gpu_mesh(op, kind, fp8, warp):
     # jit with NamedSharding operands, no mesh in scope. Traced only: custom_partitioning needs
     # devices to lower (the ROCm gate compiles this on XLA's deviceless ROCm topology).
     sharded = [S(a.shape, a.dtype, sharding=NamedSharding(mesh, s)) for a, s in zip(args, specs)]
-    with launch.recording() as log:
+    with hooks.recording() as log:
         out = jax.tree_util.tree_leaves(jax.jit(fn).eval_shape(*sharded))
     assert out[0].dtype == fp8
     assert log and all(r.config.num_warps * warp <= 1024 for r in log), log
@@ -206,7 +206,7 @@ def test_every_launch_fits_the_target(arch):
             for t in tokens:
                 cases += 1
                 structs, options = op.example(t, jnp.dtype(jnp.bfloat16), **op.sizes[cfg])
-                with launch.recording() as log:
+                with hooks.recording() as log:
                     jax.jit(lambda *a, _op=op, _o=options: _op.fn(*a, impl="pallas", **_o)).trace(*structs)
                 assert log, (name, cfg, t)
                 for rec in log:
@@ -220,11 +220,11 @@ def test_every_launch_fits_the_target(arch):
 def test_forced_and_tuned_configs_over_the_limit_are_refused(arch, monkeypatch):
     target = platform.target_for(*testing.KNOWN_TARGETS[arch])
     over = launch.LaunchConfig(1, 2048 // target.warp_size)
-    with launch.forced(over), pytest.raises(ValueError, match="forced launch config .* threads"):
+    with hooks.forced(over), pytest.raises(ValueError, match="forced launch config .* threads"):
         launch.launch_config("rmsnorm", 4, 2048, target=target)
     monkeypatch.setattr(launch, "tuned_table", lambda: {target.arch: {"rmsnorm": [[64, 2048, 1, over.num_warps, 1]]}})
     with pytest.raises(ValueError, match="tuned launch config .* threads"):
         launch.launch_config("rmsnorm", 4, 2048, target=target)
     ok = launch.LaunchConfig(1, 1024 // target.warp_size)
-    with launch.forced(ok):
+    with hooks.forced(ok):
         assert launch.launch_config("rmsnorm", 4, 2048, target=target) == ok

@@ -10,7 +10,7 @@ import pytest
 
 import k3pallas as kp
 from k3pallas import platform
-from k3pallas.kernels import launch
+from k3pallas.kernels import hooks, launch
 from k3pallas import testing
 
 TARGETS = list(testing.KNOWN_TARGETS.values())
@@ -133,14 +133,14 @@ def test_cross_device_scale_modes_lower(target, mode):
 
 def test_hooks_apply_to_a_shape_traced_before():
     """jax (0.11+) caches the trace of the partitioned op per shapes: a second trace of the same
-    shape inside ``launch.forced`` / ``launch.recording`` must still see the hook
-    (``kernels.trace_context`` is part of the cache key)."""
+    shape inside ``hooks.forced`` / ``hooks.recording`` must still see the hook
+    (``hooks.trace_key`` is part of the cache key)."""
     args = (sds((4, 96, 128)), sds((128,), jnp.float32), sds((4, 96, 128)))
     kind, plat = TARGETS[0]
     for config in (None, launch.LaunchConfig(2, 2, 1), launch.LaunchConfig(1, 16, 1)):
         # A new function each time (as bench.tune makes), so that jit's own cache misses.
         fn = lambda x, w, g: kp.rmsnorm_gated_fp8_per_token(x, w, g, impl="pallas")  # noqa: E731
-        with launch.forced(config) if config else launch.recording(), launch.recording() as log:
+        with hooks.forced(config) if config else hooks.recording(), hooks.recording() as log:
             text = testing.lower_for(fn, args, kind, plat).as_text()
         assert len(log) == 1 and (config is None or log[0].config == config), log
         (call,) = testing.triton_launches(text)

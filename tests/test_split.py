@@ -13,7 +13,7 @@ import pytest
 
 import k3pallas as kp
 from k3pallas import platform, testing
-from k3pallas.kernels import launch
+from k3pallas.kernels import hooks, launch
 from k3pallas.kernels.launch import LaunchConfig
 
 
@@ -29,12 +29,12 @@ def test_norm_segments_on_two_programs(rng, op, rows):
     structs, options = spec.example(5, jnp.dtype(jnp.bfloat16), **spec.sizes["test"])
     args = [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in structs]
     whole = spec.fn(*args, impl="interpret", **options)
-    with launch.forced(LaunchConfig(rows, 4, 1, 2)), testing.poisoned_outputs():
+    with hooks.forced(LaunchConfig(rows, 4, 1, 2)), testing.poisoned_outputs():
         split = spec.fn(*args, impl="interpret", **options)
     for a, b in zip(jax.tree_util.tree_leaves(whole), jax.tree_util.tree_leaves(split)):
         assert a.shape == b.shape
         assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-    with launch.forced(LaunchConfig(rows, 4, 1, 4)):
+    with hooks.forced(LaunchConfig(rows, 4, 1, 4)):
         with pytest.raises(ValueError, match="cannot do for this row shape"):
             spec.fn(*args, impl="interpret", **options)
 
@@ -46,7 +46,7 @@ def test_norm_split_lowers_to_one_launch_of_two_programs(target):
             jax.ShapeDtypeStruct((1536,), jnp.bfloat16), jax.ShapeDtypeStruct((512,), jnp.bfloat16))
 
     def fn(q, kv, wq, wkv):
-        with launch.forced(LaunchConfig(1, 4, 1, 2)):
+        with hooks.forced(LaunchConfig(1, 4, 1, 2)):
             return kp.fused_q_kv_rmsnorm(q, kv, wq, wkv, impl="pallas")
 
     (call,) = testing.triton_launches(testing.lower_for(fn, args, kind, plat).as_text())
@@ -56,7 +56,7 @@ def test_norm_split_lowers_to_one_launch_of_two_programs(target):
 def test_split_errors(rng):
     x = jnp.asarray(rng.standard_normal((2, 64)), jnp.bfloat16)
     w = jnp.ones(64, jnp.float32)
-    with launch.forced(LaunchConfig(1, 4, 1, 2)):  # one segment: nothing to put on two programs
+    with hooks.forced(LaunchConfig(1, 4, 1, 2)):  # one segment: nothing to put on two programs
         with pytest.raises(ValueError, match="cannot do for this row shape"):
             kp.rmsnorm(x, w, impl="interpret")
         with pytest.raises(ValueError, match="cannot do for this row shape"):  # the FP8 row kernels
@@ -101,7 +101,7 @@ def test_norm_split_compiled(rng, op, t):
     args = [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in structs]
     outs = []
     for split in (1, 2):
-        with launch.forced(LaunchConfig(1, 2, 1, split)), testing.poisoned_outputs():
+        with hooks.forced(LaunchConfig(1, 2, 1, split)), testing.poisoned_outputs():
             outs.append(jax.jit(lambda *a: spec.fn(*a, impl="pallas", **options))(*args))
     for a, b in zip(*(jax.tree_util.tree_leaves(o) for o in outs)):
         assert not np.isnan(np.asarray(b, np.float32)).any()

@@ -87,7 +87,7 @@ def case_fn(case):
     import jax.numpy as jnp
 
     from bench import cases as op_table
-    from k3pallas.kernels import launch
+    from k3pallas.kernels import hooks, launch
 
     spec = op_table.OPS[case["op"]]
     args, options = spec.example(case["tokens"], jnp.dtype(jnp.bfloat16), **spec.sizes[case["config"]])
@@ -96,7 +96,7 @@ def case_fn(case):
     forced = case.get("launch")
 
     def fn(*a):
-        with launch.forced(launch.LaunchConfig(*forced)) if forced else contextlib.nullcontext():
+        with hooks.forced(launch.LaunchConfig(*forced)) if forced else contextlib.nullcontext():
             return spec.fn(*a, impl="pallas", **options)
     return fn, list(args)
 

@@ -43,20 +43,5 @@ def ops() -> tuple[str, ...]:
     return tuple(_ENTRIES)
 
 
-def trace_context() -> tuple:
-    """What decides the kernels an entry traces, besides its arrays' shapes and its options: the
-    target (``platform.compiling_for``) and the tooling hooks (``launch.forced`` /
-    ``launch.recording``, ``common.wrapping``). Whatever caches a traced entry (jax caches the
-    trace of a function per argument shapes) keys it on this too, or a second trace inside
-    another hook would silently reuse the first one's kernels."""
-    from k3pallas import platform
-    from k3pallas.kernels import common, launch
-
-    # The hook objects themselves (hashed by identity), not their ids: a key keeps them alive, so
-    # an id cannot be reused by a later hook while a trace is cached under it.
-    return (platform._TARGET_OVERRIDE.get(), launch._FORCED.get(), launch._RECORDING.get(),
-            common._WRAP.get())
-
-
 # The kernel modules register their entries on import.
 from k3pallas.kernels import gated_fp8, rmsnorm  # noqa: E402,F401

@@ -11,8 +11,6 @@ bf16 elements index correctly; see ``check_offsets`` for the one case it misses.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 from typing import Sequence
@@ -22,6 +20,7 @@ import jax.numpy as jnp
 
 from k3pallas import _compat
 from k3pallas._compat import pl, plgpu
+from k3pallas.kernels import hooks
 from k3pallas.kernels.launch import LaunchConfig
 
 
@@ -150,20 +149,6 @@ class RowCall:
     aliases: dict = dataclasses.field(default_factory=dict)  # input index -> output index
 
 
-_WRAP = contextvars.ContextVar("k3pallas_row_call_wrapper", default=None)
-
-
-@contextlib.contextmanager
-def wrapping(fn):
-    """Every launch traced inside goes through ``fn(RowCall) -> RowCall`` first (tooling:
-    ``k3pallas.testing.poisoned_outputs``)."""
-    token = _WRAP.set(fn)
-    try:
-        yield
-    finally:
-        _WRAP.reset(token)
-
-
 def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs, shared_inputs,
              out_shapes, interpret: bool, out_poison=None, programs_per_block=1):
     """Launch ``kernel`` once over row blocks: ONE pallas_call, grid ``cdiv(n_rows, R)`` (by
@@ -197,7 +182,7 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
     call = RowCall(kernel, list(row_inputs) + list(shared_inputs),
                    [row_spec(a.shape) for a in row_inputs] + [whole_spec(a.shape) for a in shared_inputs],
                    list(out_shapes), row_spec, list(out_poison or [float("nan")] * len(out_shapes)))
-    wrapper = _WRAP.get()
+    wrapper = hooks.wrapper()
     if wrapper is not None:
         call = wrapper(call)
     return pl.pallas_call(
@@ -214,4 +199,4 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
 
 
 __all__ = ["pow2", "pow2_parts", "tile_index", "lane_index", "row_mask", "inv_rms", "both", "load", "store", "row_call",
-           "check_offsets", "as_rows", "RowCall", "wrapping"]
+           "check_offsets", "as_rows", "RowCall"]

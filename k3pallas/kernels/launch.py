@@ -13,18 +13,17 @@ for and got (op, rows, row size, config).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import json
 import math
 import os
 
+from k3pallas.kernels import hooks
 from k3pallas.platform import Target, current_target
 
-__all__ = ["LaunchConfig", "launch_config", "heuristic_config", "tuned_table", "forced",
-           "recording", "Launch"]
+__all__ = ["LaunchConfig", "launch_config", "heuristic_config", "tuned_table", "Launch",
+           "TUNED_PATH"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,40 +134,6 @@ class Launch:
     config: LaunchConfig
 
 
-_FORCED = contextvars.ContextVar("k3pallas_forced_launch", default=None)
-_RECORDING = contextvars.ContextVar("k3pallas_launch_recording", default=None)
-
-
-@contextlib.contextmanager
-def forced(config: LaunchConfig):
-    """Every launch traced inside uses ``config`` (the tuning sweep, the gate's broken kernel)."""
-    token = _FORCED.set(config)
-    try:
-        yield config
-    finally:
-        _FORCED.reset(token)
-
-
-class _Log(list):
-    """A list hashed by identity (it is part of ``kernels.trace_context``)."""
-
-    __hash__ = object.__hash__
-
-    def __eq__(self, other):
-        return self is other
-
-
-@contextlib.contextmanager
-def recording():
-    """Yields a list that collects a ``Launch`` for every launch config chosen inside."""
-    log = _Log()
-    token = _RECORDING.set(log)
-    try:
-        yield log
-    finally:
-        _RECORDING.reset(token)
-
-
 def launch_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int | None = None,
                   target: Target | None = None, splits: tuple[int, ...] = ()) -> LaunchConfig:
     """The launch config for ``op`` on ``target`` (default: ``current_target()``). ``splits``:
@@ -185,7 +150,7 @@ def launch_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int 
         raise ValueError(f"unknown op {op!r}; the kernels launch {kernels.ops()}")
     target = current_target() if target is None else target
     max_tile_row_elems = row_elems if max_tile_row_elems is None else max_tile_row_elems
-    config, source = _FORCED.get(), "forced"
+    config, source = hooks.forced_config(), "forced"
     if config is None:
         config, source = _choose(op, n_rows, row_elems, max_tile_row_elems, target, splits)
     threads = config.num_warps * target.warp_size
@@ -193,9 +158,7 @@ def launch_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int 
         raise ValueError(f"{op}: the {source} launch config {config} has {threads} threads per "
                          f"program on {target.arch} (warp {target.warp_size}); the limit is "
                          f"{target.max_threads}")
-    log = _RECORDING.get()
-    if log is not None:
-        log.append(Launch(op, n_rows, row_elems, max_tile_row_elems, config))
+    hooks.record(Launch(op, n_rows, row_elems, max_tile_row_elems, config))
     return config
 
 
