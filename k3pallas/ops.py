@@ -143,13 +143,13 @@ def call(name: str, impl, arrays, options: dict, *, originals=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _on_target(local):
-    """``local`` traced for a given target: ``custom_partitioning`` traces it later, at compile
-    time, outside the context of the call that found the target."""
+def _on_target(local, op: str):
+    """The kernel entry ``local`` of ``op``, traced for a given target: ``custom_partitioning``
+    traces it later, at compile time, outside the context of the call that found the target."""
 
     def run(*arrays, target, **kwargs):
         with platform.compiling_for(target):
-            return local(*arrays, **kwargs)
+            return local(*arrays, op=op, **kwargs)
     return run
 
 
@@ -188,7 +188,7 @@ def _call(op: Op, impl, arrays, options, originals):
             options = {**options, "fp8": dataclasses.replace(fp8, cast=fp8_lib.resolve_cast_mode(None))}
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
-    run = sharding.partitioned(name, rule, _on_target(kernels.entry(name)),
+    run = sharding.partitioned(name, rule, _on_target(kernels.entry(name), name),
                                cache_key=hooks.trace_key(), interpret=impl == "interpret",
                                target=platform.current_target(), **options)
     try:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import k3pallas as kp
+from k3pallas import ops as op_table
 from k3pallas import testing
 
 from oracle import (ORACLE_TOL, REFERENCE_TOL, assert_close, check_codes, check_scales, f64,
@@ -242,9 +243,9 @@ def test_scale_only_and_given_scale_modes(rng, quant_op):
         g = jnp.asarray(rng.standard_normal((37, 12, 64)), jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal(64), jnp.float32)
         rows = functools.partial(kernels.rmsnorm_gated_rows, x, g, w, eps=1e-5,
-                                 activation="sigmoid", quant=q, interpret=True)
+                                 activation="sigmoid", op=op_table.RMSNORM_GATED_FP8_PER_TOKEN.name, fp8=q, interpret=True)
     else:
-        rows = functools.partial(kernels.per_token_fp8_rows, x.reshape(37, -1), quant=q,
+        rows = functools.partial(kernels.per_token_fp8_rows, x.reshape(37, -1), op=op_table.PER_TOKEN_FP8_QUANT.name, fp8=q,
                                  interpret=True)
     with testing.poisoned_outputs():
         codes, scale = rows()

@@ -11,6 +11,7 @@ import pytest
 
 import k3pallas as kp
 from k3pallas.models import kimi_k3
+from k3pallas import ops as op_table
 from k3pallas import testing
 
 from bench.inspection import hlo
@@ -133,7 +134,7 @@ def test_cross_device_scale_modes_compiled(rng):
 
     def run(mode, scale=None):
         return jax.jit(lambda x, g, w, s: kernels.rmsnorm_gated_rows(
-            x, g, w, eps=1e-5, activation="sigmoid", quant=q, interpret=False, mode=mode,
+            x, g, w, eps=1e-5, activation="sigmoid", op=op_table.RMSNORM_GATED_FP8_PER_TOKEN.name, fp8=q, interpret=False, mode=mode,
             scale=s))(x, g, w, scale)
 
     codes, scale = run("dynamic")

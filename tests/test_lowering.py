@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import k3pallas as kp
+from k3pallas import ops as op_table
 from k3pallas import platform
 from k3pallas.kernels import hooks, launch
 from k3pallas import testing
@@ -113,14 +114,14 @@ def test_cross_device_scale_modes_lower(target, mode):
 
     def gated(x, w, g, s):
         q = fp8_lib.resolve_fp8_params()
-        out = kernels.rmsnorm_gated_rows(x, g, w, eps=1e-5, activation="sigmoid", quant=q,
+        out = kernels.rmsnorm_gated_rows(x, g, w, eps=1e-5, activation="sigmoid", op=op_table.RMSNORM_GATED_FP8_PER_TOKEN.name, fp8=q,
                                          interpret=False, mode=mode,
                                          scale=s if mode == "given_scale" else None)
         return [o for o in out if o is not None]
 
     def quant(x, s):
         q = fp8_lib.resolve_fp8_params()
-        out = kernels.per_token_fp8_rows(x, quant=q, interpret=False, mode=mode,
+        out = kernels.per_token_fp8_rows(x, op=op_table.PER_TOKEN_FP8_QUANT.name, fp8=q, interpret=False, mode=mode,
                                          scale=s if mode == "given_scale" else None)
         return [o for o in out if o is not None]
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import k3pallas as kp
+from k3pallas import ops as op_table
 from k3pallas import platform, testing
 from k3pallas.kernels import hooks, launch
 from k3pallas.kernels.launch import LaunchConfig
@@ -67,7 +68,7 @@ def test_split_errors(rng):
     g3 = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)
     with pytest.raises(ValueError, match="cannot do for this row shape"):  # a config passed in
         gated_fp8.rmsnorm_gated_rows(g3, g3, w, eps=1e-5, activation="sigmoid",
-                                     quant=fp8_lib.resolve_fp8_params("float8_e4m3fn"),
+                                     op=op_table.RMSNORM_GATED_FP8_PER_TOKEN.name, fp8=fp8_lib.resolve_fp8_params("float8_e4m3fn"),
                                      interpret=True, config=LaunchConfig(1, 4, 1, 2))
     with pytest.raises(ValueError, match="power of two"):
         LaunchConfig(1, 4, 1, 3)

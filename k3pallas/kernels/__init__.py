@@ -3,9 +3,10 @@
 The public API (``k3pallas.api``, through ``k3pallas.ops``) calls this package through one face:
 
 * ``entry(op)``: the kernel path of op ``op`` (a name of ``k3pallas.ops.OPS``) on one device's
-  arrays, ``fn(*arrays, reduce_axes=..., interpret=..., **options)``, with the arrays and options
-  of the op's jnp reference (``k3pallas.reference``) and the results in the layout of the op's
-  sharding rule.
+  arrays, ``fn(*arrays, op=..., reduce_axes=..., interpret=..., **options)``, with the arrays and
+  options of the op's jnp reference (``k3pallas.reference``) and the results in the layout of the
+  op's sharding rule. Each kernel module lists its entries in ``ENTRIES``, functions named after
+  their ops; ``op`` names the launches and keys their launch configs.
 
 Everything below that face is the backend's own: how a kernel is launched (``launch``: rows per
 program and Triton's ``num_warps`` / ``num_stages``), whether it converts to FP8 natively
@@ -16,18 +17,9 @@ would be one more package with the same ``entry``.
 
 from __future__ import annotations
 
-_ENTRIES: dict = {}
+from k3pallas.kernels import gated_fp8, rmsnorm
 
-
-def register(op: str):
-    """Decorator: the kernel module's function for ``op`` (see ``entry``)."""
-
-    def add(fn):
-        if op in _ENTRIES:
-            raise ValueError(f"two kernel entries for op {op!r}")
-        _ENTRIES[op] = fn
-        return fn
-    return add
+_ENTRIES = {fn.__name__: fn for module in (rmsnorm, gated_fp8) for fn in module.ENTRIES}
 
 
 def entry(op: str):
@@ -41,7 +33,3 @@ def entry(op: str):
 
 def ops() -> tuple[str, ...]:
     return tuple(_ENTRIES)
-
-
-# The kernel modules register their entries on import.
-from k3pallas.kernels import gated_fp8, rmsnorm  # noqa: E402,F401

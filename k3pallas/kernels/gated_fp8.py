@@ -48,7 +48,7 @@ import jax.numpy as jnp
 
 from k3pallas import fp8 as fp8_lib
 from k3pallas import sharding
-from k3pallas.kernels import common, launch, quant as quant_lib, register
+from k3pallas.kernels import common, launch, quant as quant_lib
 
 _LOG2E = 1.4426950408889634
 
@@ -144,13 +144,13 @@ def quant_row_elems(width: int) -> tuple[int, int]:
     return padded, padded
 
 
-def _fp8_call(kernel_fn, op, row_inputs, shared_inputs, row_elems, *, quant, interpret, config,
+def _fp8_call(kernel_fn, op, row_inputs, shared_inputs, row_elems, *, fp8, interpret, config,
               mode, scale, **static):
     """ONE FP8 launch of ``kernel_fn`` in ``mode`` (see ``rmsnorm_gated_rows``): codes of the
     first row input's shape and a scale per row. ``row_elems``: (elements a row loads, elements
     of its largest tile row), for the launch config of ``op``."""
     n_rows = row_inputs[0].shape[0]
-    quant = quant_lib.kernel_quant(quant, interpret=interpret)
+    quant = quant_lib.kernel_quant(fp8, interpret=interpret)
     if config is None:
         config = launch.launch_config(op, n_rows, *row_elems)
     kernel = functools.partial(kernel_fn, n_rows=n_rows, rows=config.rows_per_program,
@@ -164,51 +164,50 @@ def _fp8_call(kernel_fn, op, row_inputs, shared_inputs, row_elems, *, quant, int
     return quant_lib.results(result, quant, mode)
 
 
-def rmsnorm_gated_rows(x, gate, weight, *, eps: float, activation: str,
-                       quant: fp8_lib.Fp8Params | None, interpret: bool,
+def rmsnorm_gated_rows(x, gate, weight, *, op: str, eps: float, activation: str,
+                       fp8: fp8_lib.Fp8Params | None, interpret: bool,
                        config: launch.LaunchConfig | None = None, mode: str = "dynamic",
                        scale=None):
-    """``x``, ``gate`` ``[T, H, D]``. Without ``quant``: y ``[T, H, D]`` in x's dtype. With it,
+    """``x``, ``gate`` ``[T, H, D]``. Without ``fp8``: y ``[T, H, D]`` in x's dtype. With it,
     by ``mode``: "dynamic" ``(codes [T, H, D] fp8, scale [T] float32)``; "scale_only"
     ``(None, scale)``; "given_scale" ``(codes, None)`` quantized with ``scale [T]`` (a scale
     reduced across devices: see ``k3pallas.sharding``)."""
     n_rows, heads, width = x.shape
     static = dict(heads=heads, width=width, eps=float(eps), activation=activation)
-    if quant is not None:
-        return _fp8_call(_gated_kernel, "rmsnorm_gated_fp8_per_token", [x, gate], [weight],
-                         gated_row_elems(heads, width), quant=quant, interpret=interpret,
-                         config=config, mode=mode, scale=scale, **static)
+    if fp8 is not None:
+        return _fp8_call(_gated_kernel, op, [x, gate], [weight], gated_row_elems(heads, width),
+                         fp8=fp8, interpret=interpret, config=config, mode=mode, scale=scale,
+                         **static)
     if config is None:
-        config = launch.launch_config("rmsnorm_gated", n_rows, *gated_row_elems(heads, width))
+        config = launch.launch_config(op, n_rows, *gated_row_elems(heads, width))
     kernel = functools.partial(_gated_kernel, n_rows=n_rows, rows=config.rows_per_program,
                                quant=None, mode=mode, **static)
-    (y,) = common.row_call(kernel, name="k3pallas_rmsnorm_gated", n_rows=n_rows, config=config,
+    (y,) = common.row_call(kernel, name=f"k3pallas_{op}", n_rows=n_rows, config=config,
                            row_inputs=[x, gate], shared_inputs=[weight],
                            out_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
                            interpret=interpret)
     return y
 
 
-def per_token_fp8_rows(x, *, quant: fp8_lib.Fp8Params, interpret: bool,
+def per_token_fp8_rows(x, *, op: str, fp8: fp8_lib.Fp8Params, interpret: bool,
                        config: launch.LaunchConfig | None = None, mode: str = "dynamic",
                        scale=None):
     """``x [T, N]`` -> ``(codes [T, N] fp8, scale [T] float32)``; ``mode`` as in
     ``rmsnorm_gated_rows``."""
     width = x.shape[1]
-    return _fp8_call(_quant_kernel, "per_token_fp8_quant", [x], [], quant_row_elems(width),
-                     quant=quant, interpret=interpret, config=config, mode=mode, scale=scale,
-                     width=width)
+    return _fp8_call(_quant_kernel, op, [x], [], quant_row_elems(width), fp8=fp8,
+                     interpret=interpret, config=config, mode=mode, scale=scale, width=width)
 
 
-def sigmoid_mul_fp8_rows(x, gate, *, quant: fp8_lib.Fp8Params, interpret: bool,
+def sigmoid_mul_fp8_rows(x, gate, *, op: str, fp8: fp8_lib.Fp8Params, interpret: bool,
                          config: launch.LaunchConfig | None = None, mode: str = "dynamic",
                          scale=None):
     """``x``, ``gate`` ``[T, N]`` -> FP8 of ``x * sigmoid(gate)``: ``(codes [T, N], scale [T])``;
     ``mode`` as in ``rmsnorm_gated_rows``."""
     width = x.shape[1]
-    return _fp8_call(_sigmoid_mul_kernel, "sigmoid_mul_fp8_per_token", [x, gate], [],
-                     sigmoid_mul_row_elems(width), quant=quant, interpret=interpret,
-                     config=config, mode=mode, scale=scale, width=width)
+    return _fp8_call(_sigmoid_mul_kernel, op, [x, gate], [], sigmoid_mul_row_elems(width),
+                     fp8=fp8, interpret=interpret, config=config, mode=mode, scale=scale,
+                     width=width)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -216,37 +215,37 @@ def sigmoid_mul_fp8_rows(x, gate, *, quant: fp8_lib.Fp8Params, interpret: bool,
 # ------------------------------------------------------------------------------------------------
 
 
-@register("rmsnorm_gated")
-def _gated_entry(x, w, g, *, eps, activation, interpret, reduce_axes):
-    y = rmsnorm_gated_rows(common.as_rows(x, 2), common.as_rows(g, 2), w, eps=eps,
-                           activation=activation, quant=None, interpret=interpret)
+def rmsnorm_gated(x, w, g, *, op, eps, activation, interpret, reduce_axes):
+    y = rmsnorm_gated_rows(common.as_rows(x, 2), common.as_rows(g, 2), w, op=op, eps=eps,
+                           activation=activation, fp8=None, interpret=interpret)
     return y.reshape(x.shape)
 
 
-@register("rmsnorm_gated_fp8_per_token")
-def _gated_fp8_entry(x, w, g, *, eps, activation, fp8, interpret, reduce_axes):
+def rmsnorm_gated_fp8_per_token(x, w, g, *, op, eps, activation, fp8, interpret, reduce_axes):
     """x, g ``[..., G, j, D]`` -> (codes of that shape, scale ``[..., G]``). With the heads of a
     group split over devices (``reduce_axes``): the scale of each device's heads, their maximum
     across the devices, then the codes with it (``sharding.fp8_over_shards``)."""
     run = functools.partial(rmsnorm_gated_rows, common.as_rows(x, 2), common.as_rows(g, 2), w,
-                            eps=eps, activation=activation, quant=fp8, interpret=interpret)
+                            op=op, eps=eps, activation=activation, fp8=fp8, interpret=interpret)
     codes, scale = sharding.fp8_over_shards(run, reduce_axes)
     return codes.reshape(x.shape), scale.reshape(x.shape[:-2])
 
 
-@register("per_token_fp8_quant")
-def _quant_entry(x, *, fp8, interpret, reduce_axes):
+def per_token_fp8_quant(x, *, op, fp8, interpret, reduce_axes):
     """x ``[..., G, j]`` -> (codes of that shape, scale ``[..., G]``); ``reduce_axes`` as above."""
-    run = functools.partial(per_token_fp8_rows, common.as_rows(x, 1), quant=fp8,
+    run = functools.partial(per_token_fp8_rows, common.as_rows(x, 1), op=op, fp8=fp8,
                             interpret=interpret)
     codes, scale = sharding.fp8_over_shards(run, reduce_axes)
     return codes.reshape(x.shape), scale.reshape(x.shape[:-1])
 
 
-@register("sigmoid_mul_fp8_per_token")
-def _sigmoid_mul_entry(x, g, *, fp8, interpret, reduce_axes):
+def sigmoid_mul_fp8_per_token(x, g, *, op, fp8, interpret, reduce_axes):
     """x, g ``[..., G, j]`` -> (codes of that shape, scale ``[..., G]``); ``reduce_axes`` as above."""
     run = functools.partial(sigmoid_mul_fp8_rows, common.as_rows(x, 1), common.as_rows(g, 1),
-                            quant=fp8, interpret=interpret)
+                            op=op, fp8=fp8, interpret=interpret)
     codes, scale = sharding.fp8_over_shards(run, reduce_axes)
     return codes.reshape(x.shape), scale.reshape(x.shape[:-1])
+
+
+# The op entries (``k3pallas.kernels.entry``), each named after its op.
+ENTRIES = (rmsnorm_gated, rmsnorm_gated_fp8_per_token, per_token_fp8_quant, sigmoid_mul_fp8_per_token)

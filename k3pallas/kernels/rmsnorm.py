@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from k3pallas import fp8 as fp8_lib
 from k3pallas._compat import pl
-from k3pallas.kernels import common, launch, quant as quant_lib, register
+from k3pallas.kernels import common, launch, quant as quant_lib
 
 
 class Segment(NamedTuple):
@@ -148,16 +148,14 @@ def rmsnorm_rows(xs: Sequence[jax.Array], weights: Sequence[jax.Array], eps: Seq
 # ------------------------------------------------------------------------------------------------
 
 
-@register("rmsnorm")
-def _rmsnorm_entry(x, w, *, eps, interpret, reduce_axes):
-    (y,) = rmsnorm_rows([common.as_rows(x, 1)], [w], [eps], op="rmsnorm", interpret=interpret)
+def rmsnorm(x, w, *, op, eps, interpret, reduce_axes):
+    (y,) = rmsnorm_rows([common.as_rows(x, 1)], [w], [eps], op=op, interpret=interpret)
     return y.reshape(x.shape)
 
 
-@register("fused_q_kv_rmsnorm")
-def _fused_entry(q, kv, wq, wkv, *, eps, kv_eps, interpret, reduce_axes):
+def fused_q_kv_rmsnorm(q, kv, wq, wkv, *, op, eps, kv_eps, interpret, reduce_axes):
     q_out, kv_out = rmsnorm_rows([common.as_rows(q, 1), common.as_rows(kv, 1)], [wq, wkv],
-                                 [eps, kv_eps], op="fused_q_kv_rmsnorm", interpret=interpret)
+                                 [eps, kv_eps], op=op, interpret=interpret)
     return q_out.reshape(q.shape), kv_out.reshape(kv.shape)
 
 
@@ -168,27 +166,27 @@ def _packed_segments(a, q_size, kv_size, eps, kv_eps):
     return segments + ([Segment(0, q_size + kv_size, rope, None)] if rope else [])
 
 
-@register("mla_q_kv_norm")
-def _mla_entry(a, wq, wkv, *, q_size, kv_size, eps, kv_eps, interpret, reduce_axes):
+def mla_q_kv_norm(a, wq, wkv, *, op, q_size, kv_size, eps, kv_eps, interpret, reduce_axes):
     outs = segments_rows([common.as_rows(a, 1)], _packed_segments(a, q_size, kv_size, eps, kv_eps),
-                         [wq, wkv], op="mla_q_kv_norm", interpret=interpret)
+                         [wq, wkv], op=op, interpret=interpret)
     return tuple(o.reshape(a.shape[:-1] + (o.shape[-1],)) for o in outs)
 
 
-@register("fused_q_kv_rmsnorm_fp8")
-def _fused_fp8_entry(q, kv, wq, wkv, *, eps, kv_eps, fp8, interpret, reduce_axes):
+def fused_q_kv_rmsnorm_fp8(q, kv, wq, wkv, *, op, eps, kv_eps, fp8, interpret, reduce_axes):
     codes, scale, kv_out = rmsnorm_rows([common.as_rows(q, 1), common.as_rows(kv, 1)], [wq, wkv],
-                                        [eps, kv_eps], op="fused_q_kv_rmsnorm_fp8",
-                                        interpret=interpret, fp8=fp8)
+                                        [eps, kv_eps], op=op, interpret=interpret, fp8=fp8)
     return codes.reshape(q.shape), scale.reshape(q.shape[:-1] + (1,)), kv_out.reshape(kv.shape)
 
 
-@register("mla_q_kv_norm_fp8")
-def _mla_fp8_entry(a, wq, wkv, *, q_size, kv_size, eps, kv_eps, fp8, interpret, reduce_axes):
+def mla_q_kv_norm_fp8(a, wq, wkv, *, op, q_size, kv_size, eps, kv_eps, fp8, interpret,
+                      reduce_axes):
     codes, scale, *rest = segments_rows([common.as_rows(a, 1)],
                                         _packed_segments(a, q_size, kv_size, eps, kv_eps),
-                                        [wq, wkv], op="mla_q_kv_norm_fp8", interpret=interpret,
-                                        fp8=fp8)
+                                        [wq, wkv], op=op, interpret=interpret, fp8=fp8)
     lead = a.shape[:-1]
     return (codes.reshape(lead + (q_size,)), scale.reshape(lead + (1,)),
             *(o.reshape(lead + (o.shape[-1],)) for o in rest))
+
+
+# The op entries (``k3pallas.kernels.entry``), each named after its op.
+ENTRIES = (rmsnorm, fused_q_kv_rmsnorm, mla_q_kv_norm, fused_q_kv_rmsnorm_fp8, mla_q_kv_norm_fp8)
