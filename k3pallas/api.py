@@ -212,42 +212,6 @@ def _check_packed(op, qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size) 
 # Gated RMSNorm, its FP8 fusion, and per-token FP8
 # ------------------------------------------------------------------------------------------------
 
-_FP8_OPTIONS_DOC = """
-    Per-token FP8 (vLLM's dynamic per-token semantics), over the whole row:
-    ``amax = max|y|``; ``scale = max(min(amax, scale_ub) / fp8_max, min_scale)``;
-    ``data = round_to_nearest_even(clamp(y / scale, -fp8_max, fp8_max))``. A zero row gets
-    ``scale = min_scale`` and zero codes; a row holding a NaN or an infinity (or, in the gated
-    op, a head whose float32 sum of squares overflows) gets a NaN scale and NaN codes, and no
-    other row changes.
-
-      fp8_dtype: ``float8_e4m3fn``, ``float8_e4m3fnuz`` or ``float8_e5m2``; default by device
-        (``k3pallas.default_fp8_dtype``: e4m3fnuz on gfx94x, e4m3fn elsewhere).
-      fp8_max: default 448 (e4m3fn), 224 (e4m3fnuz, as vLLM; pass 240 for AITER's choice),
-        57344 (e5m2); at most the format's largest finite value.
-      min_scale: default ``1 / (fp8_max * 512)``.
-      scale_ub: optional upper bound on ``amax`` (default None: no bound).
-"""
-_FP8_GROUPS_DOC = """
-      scale_groups: ``G`` (default 1), a Python int dividing the quantized axis: one scale per
-        token for each of ``G`` equal, contiguous column groups (of heads, for the gated op),
-        ``scale [..., G]``; ``fp8_linear`` takes it. Sharded over a mesh axis (heads under
-        tensor parallelism), a multiple of the shard count keeps every scale local to one
-        device (what a row-parallel o_proj consumes: each rank quantizes its slice); ``G = 1``
-        gives one scale per token across all shards (an all-reduce max of the per-shard
-        scales). See ``k3pallas.sharding``.
-"""
-_FP8_CAST_DOC = """
-      fp8_cast: the float32 -> FP8 conversion in the kernel: "auto" (the hardware conversion
-        where the target has one and a self-check on the device showed it equal to the integer
-        encoder, else the encoder), "native" (RuntimeError where that is not possible),
-        "encoder", or "native_unchecked" (ahead-of-time compilation only); default None: the
-        environment variable ``K3PALLAS_FP8_CAST``, else "auto". The codes are the same either
-        way; ``k3pallas.fp8_cast`` explains the check, ``kp.fp8_cast_decisions()`` what was
-        decided. Ignored by ``impl="reference"`` (XLA's cast).
-"""
-_FP8_DOC = _FP8_OPTIONS_DOC + _FP8_GROUPS_DOC + _FP8_CAST_DOC
-
-
 def _check_gated(op, x, weight, gate, eps, activation):
     _check_array(op, "x", x, min_rank=2)
     _check_array(op, "gate", gate, min_rank=2)
@@ -289,6 +253,23 @@ def _check_groups(op, scale_groups, n, what):
 def rmsnorm_gated_fp8_per_token(x, weight, gate, eps=1e-5, *, activation="sigmoid",
                                 fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None,
                                 scale_groups=1, fp8_cast=None, impl="auto") -> QuantizedActivation:
+    """Gated RMSNorm fused with dynamic per-token FP8, ONE launch.
+
+    ``y = rmsnorm(x) * weight * act(gate)`` per head (as ``rmsnorm_gated``, in float32), then one
+    FP8 scale per token over all heads; ``y`` itself never goes through memory.
+
+    Args:
+      x, gate: ``[..., T, H, D]``, rank >= 3 (tokens, heads, head dim: the scale is per token);
+        weight ``[D]``; eps (default 1e-5); activation "sigmoid" | "silu".
+      fp8_dtype, fp8_max, min_scale, scale_ub, scale_groups, fp8_cast: as in
+        ``per_token_fp8_quant`` (``scale_groups`` counts groups of heads).
+      impl: "auto", "pallas", "interpret" or "reference".
+
+    Returns: ``QuantizedActivation(data [..., H*D] fp8, scale [..., G] float32)``.
+
+    Raises: TypeError / ValueError naming the bad argument; RuntimeError for impl="pallas"
+    without a GPU target; TypeError on any gradient.
+    """
     op = "rmsnorm_gated_fp8_per_token"
     eps = _check_gated(op, x, weight, gate, eps, activation)
     if x.ndim < 3:  # [H, D] or [T, H*D] would be ambiguous: the scale is per token
@@ -305,25 +286,42 @@ def rmsnorm_gated_fp8_per_token(x, weight, gate, eps=1e-5, *, activation="sigmoi
     return QuantizedActivation(data.reshape(lead + (heads * dim,)), scale.reshape(lead + (groups,)))
 
 
-rmsnorm_gated_fp8_per_token.__doc__ = """Gated RMSNorm fused with dynamic per-token FP8, ONE launch.
-
-    ``y = rmsnorm(x) * weight * act(gate)`` per head (as ``rmsnorm_gated``, in float32), then one
-    FP8 scale per token over all heads; ``y`` itself never goes through memory.
-
-    Args:
-      x, gate: ``[..., T, H, D]``, rank >= 3 (tokens, heads, head dim: the scale is per token);
-        weight ``[D]``; eps (default 1e-5); activation "sigmoid" | "silu".
-""" + _FP8_DOC + """      impl: "auto", "pallas", "interpret" or "reference".
-
-    Returns: ``QuantizedActivation(data [..., H*D] fp8, scale [..., G] float32)``.
-
-    Raises: TypeError / ValueError naming the bad argument; RuntimeError for impl="pallas"
-    without a GPU target; TypeError on any gradient.
-    """
 
 
 def per_token_fp8_quant(x, *, fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None,
                         scale_groups=1, fp8_cast=None, impl="auto") -> QuantizedActivation:
+    """Dynamic per-token FP8 of ``x [..., N]`` (an already-normed activation).
+
+    vLLM's semantics, per token (per scale group): ``amax = max|x|``;
+    ``scale = max(min(amax, scale_ub) / fp8_max, min_scale)``;
+    ``data = round_to_nearest_even(clamp(x / scale, -fp8_max, fp8_max))``. A zero row gets
+    ``scale = min_scale`` and zero codes; a row with a NaN or an infinity gets a NaN scale and NaN
+    codes, and no other row changes.
+
+    Args:
+      x: ``[..., N]`` float16 / bfloat16 / float32.
+      fp8_dtype: ``float8_e4m3fn``, ``float8_e4m3fnuz`` or ``float8_e5m2``; default by device
+        (``default_fp8_dtype``: e4m3fnuz on gfx94x, e4m3fn elsewhere).
+      fp8_max: default 448 (e4m3fn), 224 (e4m3fnuz, as vLLM; AITER uses 240), 57344 (e5m2);
+        from 4 to the format's largest finite value.
+      min_scale: default ``1 / (fp8_max * 512)``; from 2**-126 to 2**126.
+      scale_ub: optional upper bound on ``amax`` (default None).
+      scale_groups: ``G`` (default 1) dividing ``N``: one scale per token for each of ``G``
+        equal, contiguous column groups, ``scale [..., G]``. Sharded over heads, a multiple of
+        the shard count keeps every scale on one device; ``G = 1`` takes the maximum across them
+        (``k3pallas.sharding``).
+      fp8_cast: the float32 -> FP8 conversion in the kernel: "auto" (the hardware's where a
+        device self-check showed it equal to the integer encoder, else the encoder), "native",
+        "encoder" or "native_unchecked" (ahead-of-time only); None: ``$K3PALLAS_FP8_CAST``, else
+        "auto". The codes are the same either way; ``kp.fp8_cast_decisions()`` says what was
+        decided. Ignored by ``impl="reference"``.
+      impl: "auto", "pallas", "interpret" or "reference".
+
+    Returns: ``QuantizedActivation(data [..., N] fp8, scale [..., G] float32)``.
+
+    Raises: TypeError / ValueError naming the bad argument; RuntimeError for impl="pallas"
+    without a GPU target; TypeError on any gradient.
+    """
     op = "per_token_fp8_quant"
     _check_array(op, "x", x)
     q = _fp8_params(op, (x,), fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
@@ -335,22 +333,27 @@ def per_token_fp8_quant(x, *, fp8_dtype=None, fp8_max=None, min_scale=None, scal
     return QuantizedActivation(data.reshape(x.shape), scale.reshape(lead + (groups,)))
 
 
-per_token_fp8_quant.__doc__ = """Dynamic per-token FP8 of ``x [..., N]`` (an already-normed activation).
-
-    Args:
-      x: ``[..., N]`` float16 / bfloat16 / float32.
-""" + _FP8_DOC + """      impl: "auto", "pallas", "interpret" or "reference".
-
-    Returns: ``QuantizedActivation(data [..., N] fp8, scale [..., G] float32)``.
-
-    Raises: TypeError / ValueError naming the bad argument; RuntimeError for impl="pallas"
-    without a GPU target; TypeError on any gradient.
-    """
 
 
 def sigmoid_mul_fp8_per_token(x, gate, *, fp8_dtype=None, fp8_max=None, min_scale=None,
                               scale_ub=None, scale_groups=1, fp8_cast=None,
                               impl="auto") -> QuantizedActivation:
+    """MLA's output gate fused with dynamic per-token FP8, ONE launch.
+
+    ``y = x * sigmoid(gate)`` in float32 (Kimi-K3's gated MLA output, the o_proj input), then
+    per-token FP8 of ``y``; ``y`` itself never goes through memory.
+
+    Args:
+      x, gate: ``[..., N]`` float16 / bfloat16 / float32, the same shape (``N = H * D``: 96 x 128
+        for the whole Kimi-K3 layer, 12 x 128 per TP8 rank); their dtypes may differ.
+      fp8_dtype, fp8_max, min_scale, scale_ub, scale_groups, fp8_cast: as in
+        ``per_token_fp8_quant``.
+      impl: "auto", "pallas", "interpret" or "reference".
+
+    Returns: ``QuantizedActivation(data [..., N] fp8, scale [..., G] float32)``.
+
+    Raises: as ``per_token_fp8_quant``.
+    """
     op = "sigmoid_mul_fp8_per_token"
     _check_array(op, "x", x)
     _check_array(op, "gate", gate)
@@ -366,26 +369,23 @@ def sigmoid_mul_fp8_per_token(x, gate, *, fp8_dtype=None, fp8_max=None, min_scal
     return QuantizedActivation(data.reshape(x.shape), scale.reshape(lead + (groups,)))
 
 
-sigmoid_mul_fp8_per_token.__doc__ = """MLA's output gate fused with dynamic per-token FP8, ONE launch.
-
-    ``y = x * sigmoid(gate)`` in float32 (Kimi-K3's gated MLA output, the o_proj input), then
-    per-token FP8 of ``y``; ``y`` itself never goes through memory.
-
-    Args:
-      x, gate: ``[..., N]`` float16 / bfloat16 / float32, the same shape (``N = H * D``: 96 x 128
-        for the whole Kimi-K3 layer, 12 x 128 per TP8 rank); their dtypes may differ.
-""" + _FP8_DOC + """      impl: "auto", "pallas", "interpret" or "reference".
-
-    Returns: ``QuantizedActivation(data [..., N] fp8, scale [..., G] float32)``.
-
-    Raises: TypeError / ValueError naming the bad argument; RuntimeError for impl="pallas"
-    without a GPU target; TypeError on any gradient.
-    """
 
 
 def fused_q_kv_rmsnorm_fp8(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None,
                            fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None,
                            fp8_cast=None, impl="auto"):
+    """Joint q/kv RMSNorm with q quantized to per-token FP8, ONE launch.
+
+    As ``fused_q_kv_rmsnorm`` (same arguments). q is normalized in float32 and quantized from
+    there (never rounded to its dtype first), one scale per token over its ``Dq`` columns: the
+    input of an FP8 q_b projection. kv is normalized in its dtype, as in the bf16 op (within one
+    ulp of it: the two launches may sum in another order).
+
+    Args: as ``fused_q_kv_rmsnorm``; fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast as in
+    ``per_token_fp8_quant``.
+
+    Returns: ``(QuantizedActivation(q data [..., Dq] fp8, scale [..., 1] float32), kv_out)``.
+    """
     op = "fused_q_kv_rmsnorm_fp8"
     eps, kv_eps = _check_fused(op, q_c, kv_c, q_weight, kv_weight, eps, kv_eps)
     q = _fp8_params(op, (q_c, kv_c), fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
@@ -397,6 +397,15 @@ def fused_q_kv_rmsnorm_fp8(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=N
 def mla_q_kv_norm_fp8(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_size=1536,
                       kv_size=512, fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None,
                       fp8_cast=None, impl="auto"):
+    """``mla_q_kv_norm`` with q quantized to per-token FP8, ONE launch.
+
+    As ``mla_q_kv_norm`` (same arguments), q quantized as in ``fused_q_kv_rmsnorm_fp8``.
+
+    Args: as ``mla_q_kv_norm``; fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast as in
+    ``per_token_fp8_quant``.
+
+    Returns: ``(QuantizedActivation(q data [..., q_size], scale [..., 1]), kv_c, k_pe)``.
+    """
     op = "mla_q_kv_norm_fp8"
     options = _check_packed(op, qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size)
     q = _fp8_params(op, (qkv_a,), fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
@@ -404,22 +413,5 @@ def mla_q_kv_norm_fp8(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_si
     return QuantizedActivation(data, scale), kv_out, _k_pe(qkv_a, pe)
 
 
-_Q_FP8_DOC = """
-    q is normalized in float32 and quantized straight from there (never rounded to its dtype
-    first), with one scale per token over its ``Dq`` columns, ``scale [..., 1]``: the input of
-    an FP8 q_b projection (``fp8_linear``). kv is normalized in its dtype, as in the bf16 op.
-""" + _FP8_OPTIONS_DOC + _FP8_CAST_DOC
 
-fused_q_kv_rmsnorm_fp8.__doc__ = """Joint q/kv RMSNorm with q quantized to per-token FP8, ONE launch.
 
-    As ``fused_q_kv_rmsnorm`` (same arguments; the FP8 options below), returning
-    ``(QuantizedActivation(q data [..., Dq] fp8, q scale [..., 1] float32), kv_out [..., Dkv])``.
-""" + _Q_FP8_DOC + """      impl: "auto", "pallas", "interpret" or "reference".
-    """
-
-mla_q_kv_norm_fp8.__doc__ = """``mla_q_kv_norm`` with q quantized to per-token FP8, ONE launch.
-
-    As ``mla_q_kv_norm`` (same arguments; the FP8 options below), returning
-    ``(QuantizedActivation(q data, q scale [..., 1]), kv_c [..., kv_size], k_pe [..., rope])``.
-""" + _Q_FP8_DOC + """      impl: "auto", "pallas", "interpret" or "reference".
-    """

@@ -234,8 +234,7 @@ def encode_fp8(v: jax.Array, dtype) -> jax.Array:
     into the exponent, as it should) and re-bias the exponent. Subnormal results use one float32
     addition of ``2**(E)``, where the float32 ulp of ``2**E`` is the format's smallest subnormal:
     the addition itself rounds to nearest even at that position, and the code is the low bits of
-    the sum. About 16 VALU instructions per value on gfx942, against half of one for a native
-    conversion (bench/results/rocm_check.md).
+    the sum. It costs a few times what a native conversion does (bench/results/rocm_check.md).
     """
     fmt = fp8_format(dtype)
     m_bits, bias = fmt.man_bits, fmt.bias

@@ -78,8 +78,7 @@ def quantize_weight_per_channel(w, *, fp8_dtype=None, fp8_max=None, w_layout="nk
       w_layout: how the codes are stored: ``"nk"`` (default, ``[N, K]``, transposed once here)
         or ``"kn"`` (``[K, N]`` like ``w``). ``"nk"`` is the fast one: the FP8 GEMMs of
         cuBLASLt (Hopper) and hipBLASLt read the weight with K contiguous, so with ``"kn"`` XLA
-        transposes the weight in every call (on an H200, a 4096 x 12288 x 7168 o_proj took
-        1061 us with ``"kn"`` and 501 us with ``"nk"``).
+        transposes the weight in every call (twice the time on an H200: bench/NOTES.md).
 
     Returns: ``QuantizedWeight(data, scale [N] float32, layout)``: pass it to ``fp8_linear`` as
     it is (``w8, ws = ...`` also unpacks the two arrays).

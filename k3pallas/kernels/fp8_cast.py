@@ -1,38 +1,19 @@
-"""Which float32 -> FP8 conversion the kernels use: the hardware's, or the integer encoder.
-
-Two paths give the same codes by construction:
+"""The float32 -> FP8 conversion in the kernels: the hardware's, or the integer encoder, and the
+device self-check that decides between them.
 
 * the **encoder** (``k3pallas.fp8.encode_fp8``): integer arithmetic on the float32 bits, bit-exact
-  with XLA's cast, runs everywhere; about 16 VALU instructions per value on AMD gfx942;
-* the **native** conversion (``native_codes``): the Triton lowering's own cast,
-  one hardware instruction per two values where the target has it: NVIDIA sm_89+ (e4m3fn, e5m2),
-  AMD gfx94x (e4m3fnuz: ``v_cvt_pk_fp8_f32``; the lowering refuses this cast, and
-  ``k3pallas._compat.enable_native_fnuz_cast`` lifts that for k3pallas kernels only) and AMD
-  gfx950 (e4m3fn: ``v_cvt_scalef32_pk_fp8_f32``).
+  with XLA's cast, runs everywhere;
+* the **native** conversion (``native_codes``): the lowering's own cast, one instruction per two
+  values where the target has it (NVIDIA sm_89+ e4m3fn / e5m2; AMD gfx94x e4m3fnuz, which the
+  lowering refuses and ``k3pallas._compat.enable_native_fnuz_cast`` allows for our kernels only;
+  AMD gfx950 e4m3fn).
 
-The native path is used only where it was seen to agree with the encoder **on the device itself**:
-the first time an FP8 kernel is built for a GPU, ``self_check`` converts a fixed set of values
-with both paths in one small kernel on that device and compares the bytes: every code's value,
-every midpoint between neighbouring codes and the float32 values just beside it, both signs,
-subnormals, values that round to zero, +-0, NaN, and the clamp bounds (``check_values``). If they
-agree the native path is used; otherwise a warning names the values that differ and the encoder
-is used. The decision is cached per (backend, arch, format) for the process.
-
-The choice (``fp8_cast=`` on the FP8 functions, else the environment variable
-``K3PALLAS_FP8_CAST``, else ``"auto"``):
-
-* ``"auto"``: native where the target has it and the self-check passed on the attached device,
-  else the encoder (also when no device of the target is attached: ahead-of-time compilation);
-* ``"native"``: native, after the self-check; RuntimeError where the target has no native
-  conversion for the format, where no device of it is attached, or where the check failed;
-* ``"encoder"``: always the encoder;
-* ``"native_unchecked"``: native without a check, for ahead-of-time compilation only (the ROCm
-  compile gate compiles both paths with no GPU attached); never the right choice at run time.
-
-In interpret mode (``impl="interpret"``) "auto" means the encoder (the path gfx942 takes until the
-native one is verified); "native" runs the self-check in interpret mode, with XLA's cast as the
-native conversion: that, and a simulated device, is how the CPU tests exercise this logic.
-``decisions()`` lists what was decided and why; ``python -m bench`` records it.
+The native path is used only where it was seen on the device itself to give the codes ml_dtypes
+gives on the host, as the encoder does: the first FP8 kernel built for a GPU converts a fixed set
+of values (``check_values``) both ways in one small kernel (``self_check``). A check that
+disagrees, or cannot run, means the encoder, with one warning; the decision is cached per
+(target, format). The choice of mode (``fp8_cast=``, ``$K3PALLAS_FP8_CAST``, "auto") is in
+``k3pallas.fp8``; in interpret mode "auto" is the encoder. ``decisions()`` lists what was decided.
 """
 
 from __future__ import annotations

@@ -1,42 +1,21 @@
-"""Gated RMSNorm, its fusion with dynamic per-token FP8, and standalone per-token FP8: Pallas Triton.
+"""Gated RMSNorm, its fusion with dynamic per-token FP8, standalone per-token FP8 and the MLA
+sigmoid-mul FP8: Pallas Triton kernels, one launch each, ``R`` tokens per program.
 
-One launch each, ``R`` tokens per program. The gated kernels load ``x`` and ``gate`` as
-``[R, h, D]`` tiles over power-of-two pieces of the head axis (12 heads: 8 + 4; 96: 64 + 32; no
-padded heads), normalize each head over D, apply ``weight`` and the gate's activation, and then
-either store ``y`` or, for the FP8 fusion, reduce ``amax`` over the whole token (all heads),
-compute the token's scale and store the FP8 codes and the scale: the gated activation never goes
-through memory. All tiles are loaded before any is computed, so their memory latencies overlap.
+The gated kernels load ``x`` and ``gate`` as ``[R, h, D]`` tiles over power-of-two pieces of the
+head axis (96 heads: 64 + 32, no padded heads), all before computing any, so their latencies
+overlap. The FP8 kernels reduce ``amax`` over the whole token and store codes and scale: ``y``
+never goes through memory. The epilogue is lean because these kernels sit near the instruction
+budget of a memory-bound kernel (measurements: bench/NOTES.md):
 
-Per-element costs decide the speed of these kernels at large T (they are near the instruction
-budget of a memory-bound kernel on an H200), so the epilogue is lean, with results equal to the
-reference's semantics:
+* the sigmoid is ``rsqrt(1 + exp2(-g * log2(e)))**2``, one hardware approximation instead of an
+  IEEE division, within a few float32 ulp of ``1 / (1 + e)`` (exactly 1 and 0 at the ends);
+* the scale is applied as one reciprocal per row and a multiply per element;
+* the clamp to ``+-fp8_max`` runs only with ``scale_ub`` (without it ``|y / scale|`` exceeds
+  ``fp8_max`` only by rounding, which round-to-nearest-even returns to ``fp8_max``);
+* a NaN reaches the scale through a per-row sum of ``|y|`` (Triton's max drops NaN), an infinity
+  through the max; padded lanes are 0, so the reductions need no mask.
 
-* the sigmoid is ``rsqrt(1 + exp2(-g * log2(e)))**2``: the reciprocal as a squared reciprocal
-  square root, which the lowering emits as one hardware approximation on both backends
-  (``__nv_rsqrtf``, ``__ocml_rsqrt_f32``), where ``1 / u`` is an IEEE division (about ten
-  vector instructions per value in XLA's gfx942 code: the squared rsqrt cut the 96-head FP8
-  kernel from 892 to 664 VALU instructions per wavefront there; on the H200, where these
-  kernels are bound by memory latency rather than issue, it measured within 4 %, see
-  bench/NOTES.md). The argument is >= 1, so no denormal path; the result is within a few
-  float32 ulp of ``1 / u`` (exactly 1 at ``u = 1``, 0 at ``u = inf``, NaN for NaN), far below
-  the output formats' rounding;
-* the scale is applied as one reciprocal per row and a multiply per element (``y * (1/scale)``
-  differs from ``y / scale`` by at most an ulp, which can only move a code at a rounding tie);
-* the clamp to ``+-fp8_max`` runs only with ``scale_ub``: without it ``|y| <= amax`` and
-  ``scale >= amax / fp8_max``, so ``|y / scale|`` exceeds ``fp8_max`` only by rounding, which
-  round-to-nearest-even returns to ``fp8_max``;
-* a NaN reaches the scale through a per-row sum of ``|y|`` (Triton's max-reduction drops NaN;
-  a sum keeps it), one add per element; an infinity through the max; either makes the token's
-  scale NaN (and so its codes);
-* a head whose float32 sum of squares overflows (``|x|`` from about 1.8e19) is NaN, not zero
-  (``common.inv_rms``), so that token's scale is NaN too;
-* padded lanes load ``x = 0``, ``gate = 0`` and ``weight = 0``, so ``y = 0`` there: they cannot
-  raise the amax or fake a NaN, and need no mask in the reductions.
-
-FP8 codes come from the integer encoder ``k3pallas.fp8.encode_fp8`` (stored as uint8 and bitcast
-outside), or from the lowering's own cast (``quant.native_codes``) where ``kernels.fp8_cast`` chose it
-after checking it against the encoder on the device (cheaper: about half the time at large T on an
-H200). Both round to nearest even.
+Codes come from the integer encoder or the lowering's own cast, as ``kernels.fp8_cast`` decided.
 """
 
 from __future__ import annotations

@@ -31,10 +31,8 @@ class LaunchConfig:
     rows_per_program: int  # power of two
     num_warps: int  # warps (NVIDIA) or wavefronts (AMD) per program
     num_stages: int = 1  # the row kernels have no loop to pipeline; kept explicit for the sweep
-    # Programs per row block. 1: a program does all of its rows. 2 (the joint norms, whose rows
-    # hold several segments): q on one program, kv (and the rope part) on another, in the same
-    # launch: the two halves of a token run on two cores (H200: 1.20 -> 1.12 us at T = 1,
-    # 10.38 -> 10.03 at T = 4096; bench/NOTES.md). Chosen by the tuned table only.
+    # Programs per row block: 1, or 2 for the joint norms (q on one program, kv and the rope
+    # part on another, in the same launch: a token's two halves on two cores). Tuned table only.
     split: int = 1
 
     def __post_init__(self):
@@ -46,16 +44,11 @@ class LaunchConfig:
             raise ValueError(f"LaunchConfig.num_stages must be >= 1, got {self.num_stages}")
 
 
-# Heuristic constants. Elements a program handles (summed over the tiles it loads), and elements
-# per thread of its largest tile: few per thread while the grid is too small to fill the GPU
-# (spread the latency chain of one row over many threads), many once it is large (fewer threads
-# per row means cheaper cross-warp reductions; occupancy comes from the many programs). From the
-# H200 sweep (bench/results/tune.md): fused q/kv at T = 65536 ran 129 us with 1 warp per row
-# against 162 us with 8; the gated FP8 kernel at T = 1 ran 2.0 us with 16 warps against 6.9 with 1.
-#
-# On AMD the throughput regime holds 16 elements per thread: at 32 the 96-head FP8 kernel needed
-# 134 VGPRs on gfx942 / gfx950 (occupancy 3 waves per SIMD, under the ROCm compile gate's 4);
-# at 16 every kernel keeps >= 4 (bench/results/rocm_check.md).
+# Heuristic constants. Elements a program handles (summed over its tiles), and elements per
+# thread of its largest tile: few while the grid is too small to fill the GPU (spread a row's
+# latency chain over many threads), many once it is large (cheaper cross-warp reductions;
+# occupancy comes from the many programs). AMD holds 16 per thread there, not 32, to keep
+# >= 4 waves per SIMD (the ROCm gate). The sweep behind them: bench/results/tune.md, NOTES.
 _ELEMS_PER_PROGRAM = 4096
 _ELEMS_PER_THREAD_LATENCY = 8
 _ELEMS_PER_THREAD_THROUGHPUT = {"cuda": 32, "rocm": 16}
