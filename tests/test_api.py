@@ -12,7 +12,7 @@ import k3pallas as kp
 from bench import cases as k3ops
 from k3pallas import testing
 
-from oracle import ORACLE_TOL, assert_close, gated64, rmsnorm64
+from support import ORACLE_TOL, assert_close, gated64, rmsnorm64
 
 
 def _qkv(rng, lead=(4,), dq=64, dkv=16, dtype=jnp.float32):

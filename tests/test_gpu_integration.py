@@ -15,7 +15,7 @@ from k3pallas import ops as op_table
 from k3pallas import testing
 
 from bench.inspection import hlo
-from oracle import ORACLE_TOL, REFERENCE_TOL, assert_close, f64, rmsnorm64
+from support import ORACLE_TOL, REFERENCE_TOL, assert_close, f64, rmsnorm64
 
 pytestmark = pytest.mark.gpu
 

@@ -13,7 +13,7 @@ import pytest
 import k3pallas as kp
 from k3pallas.models import kimi_k3
 
-from oracle import DEFAULT_FP8_MAX, FP8, check_codes, f64
+from support import DEFAULT_FP8_MAX, FP8, check_codes, f64
 
 FP8_NAMES = list(FP8)
 

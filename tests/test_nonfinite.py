@@ -12,7 +12,7 @@ import pytest
 
 import k3pallas as kp
 
-from oracle import f64, quant_oracle, rmsnorm64
+from support import f64, quant_oracle, rmsnorm64
 
 IMPLS = ["interpret", "reference", pytest.param("pallas", marks=pytest.mark.gpu)]
 HUGE = 2.0e19  # its square alone overflows float32

@@ -11,7 +11,7 @@ import pytest
 import k3pallas as kp
 from k3pallas import testing
 
-from oracle import ORACLE_TOL, REFERENCE_TOL, assert_close, rmsnorm64
+from support import ORACLE_TOL, REFERENCE_TOL, assert_close, rmsnorm64
 
 DTYPES = ["bfloat16", "float16", "float32"]
 OTHER_WEIGHT_DTYPE = {"bfloat16": "float32", "float16": "bfloat16", "float32": "bfloat16"}

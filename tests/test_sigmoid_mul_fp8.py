@@ -12,7 +12,7 @@ import pytest
 import k3pallas as kp
 from k3pallas import testing
 
-from oracle import check_codes, check_scales, f64, quant_oracle, sigmoid64
+from support import check_codes, check_scales, f64, quant_oracle, sigmoid64
 
 FNUZ = "float8_e4m3fnuz"
 OP = kp.sigmoid_mul_fp8_per_token

@@ -15,10 +15,10 @@ import k3pallas as kp
 from k3pallas import fp8 as fp8_lib
 from k3pallas import testing
 
-from oracle import (ORACLE_TOL, REFERENCE_TOL, assert_close, check_codes, check_scales, f64,
+from support import (ORACLE_TOL, REFERENCE_TOL, assert_close, check_codes, check_scales, f64,
                     gated64, quant_oracle, rmsnorm64)
-from test_fp8_encoder import encode_in_pallas, encoder_inputs, expected_codes
-from test_gated_fp8 import check_pair
+from support import encode_in_pallas, encoder_inputs, expected_codes
+from support import check_pair
 
 pytestmark = pytest.mark.gpu
 

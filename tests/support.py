@@ -1,12 +1,20 @@
-"""Independent float64 NumPy oracles and the checks the tests share.
+"""What the tests share: independent float64 NumPy oracles and checks, then the encoder's test
+inputs and a Pallas kernel that runs it (the encoder tests on the CPU, the GPU tests compiled).
 
-Nothing here calls k3pallas: the semantics are written again from the docstrings.
+The oracles call nothing of k3pallas: the semantics are written again from the docstrings.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.experimental import pallas as pl
+
+from k3pallas import fp8 as fp8_lib
 
 # Output tolerances against the float64 oracle, per output dtype (atol = rtol). bf16 follows
 # vLLM's own RMSNorm test; fp16 and fp32 are a few units in the last place of the output.
@@ -135,3 +143,65 @@ def check_scales(scale, scale64, rtol=1e-6, what=""):
     ok = ~np.isnan(scale64)
     rel = np.abs(s[ok] - scale64[ok]) / scale64[ok]
     assert (rel <= rtol).all(), f"{what}: scale rel err {rel.max():.3g} > {rtol}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared by the encoder tests (CPU) and the GPU tests
+# ------------------------------------------------------------------------------------------------
+
+
+def encoder_inputs(name, rng, n_random=100_000):
+    """Every finite code's value, every midpoint between neighbours and the float32 values either
+    side of each, both signs, float32 subnormals, values rounding to zero, zeros, NaN, and random
+    values over the whole range and over many binades."""
+    dt, fmax = FP8[name]
+    vals = np.arange(256, dtype=np.uint8).view(dt).astype(np.float32)
+    fin = np.unique(vals[np.isfinite(vals)])
+    mids = ((fin[:-1].astype(np.float64) + fin[1:]) / 2).astype(np.float32)
+    tiny = np.float32(np.min(fin[fin > 0]))
+    parts = [fin, mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf)),
+             np.nextafter(fin, np.float32(np.inf)), np.nextafter(fin, np.float32(-np.inf)),
+             np.array([0.0, -0.0, tiny / 2, tiny / 4, tiny * 0.49, tiny * 0.51, tiny * 1.5,
+                       1e-45, 1e-40, 1e-38, 1e-30, np.nan], np.float32),
+             rng.uniform(-fmax, fmax, n_random).astype(np.float32),
+             (rng.standard_normal(n_random) * np.exp2(rng.integers(-40, 16, n_random))).astype(np.float32)]
+    v = np.concatenate(parts).astype(np.float32)
+    v = np.concatenate([v, -v])
+    return v[~(np.abs(v) > fmax)]  # the encoder's domain: |v| <= largest finite, or NaN
+
+
+def expected_codes(v, name):
+    return v.astype(FP8[name][0]).view(np.uint8)
+
+
+def _encode_kernel(x_ref, o_ref, *, dtype):
+    idx = jnp.arange(x_ref.shape[0])
+    o_ref[idx] = fp8_lib.encode_fp8(x_ref[idx], dtype).astype(jnp.uint8)
+
+
+def encode_in_pallas(v, name, interpret):
+    n = len(v)
+    block = 4096
+    pad = (-n) % block
+    x = jnp.asarray(np.concatenate([v, np.zeros(pad, np.float32)]))
+    out = pl.pallas_call(
+        functools.partial(_encode_kernel, dtype=jnp.dtype(name)),
+        grid=(x.shape[0] // block,),
+        in_specs=[pl.BlockSpec((block,), lambda i: (i,))],
+        out_specs=pl.BlockSpec((block,), lambda i: (i,)),
+        out_shape=jax.ShapeDtypeStruct(x.shape, jnp.uint8), interpret=interpret)(x)
+    return np.asarray(out)[:n]
+
+
+def check_pair(a, b, v, name, what):
+    """Two code arrays for the same values: equal except within a tie of ``v``, one step apart."""
+    a, b = f64(a), f64(b)
+    same = (a == b) | (np.isnan(a) & np.isnan(b))
+    if same.all():
+        return
+    grid = fp8_grid(name)
+    ia, ib = np.searchsorted(grid, a[~same]), np.searchsorted(grid, b[~same])
+    assert (np.abs(ia - ib) <= 1).all(), f"{what}: codes more than one step apart"
+    mid = (a[~same] + b[~same]) / 2
+    near = np.abs(v[~same] - mid) <= 1e-5 * np.maximum(np.abs(mid), grid[grid > 0][0])
+    assert near.all(), f"{what}: {int((~near).sum())} codes differ away from a rounding tie"

@@ -14,7 +14,7 @@ import k3pallas as kp
 from k3pallas import ops as op_table
 from k3pallas import testing
 
-from oracle import (ORACLE_TOL, REFERENCE_TOL, assert_close, check_codes, check_scales, f64,
+from support import (ORACLE_TOL, REFERENCE_TOL, assert_close, check_codes, check_pair, check_scales, f64,
                     fp8_grid, gated64, quant_oracle)
 
 HD = [(32, 128), (12, 128), (96, 128), (1, 64), (5, 96)]
@@ -52,20 +52,6 @@ def test_rmsnorm_gated_parity(rng, cpu_impl, t, hd, activation, dtype):
 # ------------------------------------------------------------------------------------------------
 # rmsnorm_gated_fp8_per_token: fused vs sequential vs oracle
 # ------------------------------------------------------------------------------------------------
-
-
-def check_pair(a, b, v, name, what):
-    """Two code arrays for the same values: equal except within a tie of ``v``, one step apart."""
-    a, b = f64(a), f64(b)
-    same = (a == b) | (np.isnan(a) & np.isnan(b))
-    if same.all():
-        return
-    grid = fp8_grid(name)
-    ia, ib = np.searchsorted(grid, a[~same]), np.searchsorted(grid, b[~same])
-    assert (np.abs(ia - ib) <= 1).all(), f"{what}: codes more than one step apart"
-    mid = (a[~same] + b[~same]) / 2
-    near = np.abs(v[~same] - mid) <= 1e-5 * np.maximum(np.abs(mid), grid[grid > 0][0])
-    assert near.all(), f"{what}: {int((~near).sum())} codes differ away from a rounding tie"
 
 
 def run_gated_fp8(x, w, g, impl, activation="sigmoid", **q):

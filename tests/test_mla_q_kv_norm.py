@@ -14,7 +14,7 @@ from k3pallas import platform
 from k3pallas.kernels import launch
 from k3pallas import testing
 
-from oracle import ORACLE_TOL, REFERENCE_TOL, assert_close, rmsnorm64
+from support import ORACLE_TOL, REFERENCE_TOL, assert_close, rmsnorm64
 
 TARGETS = list(testing.KNOWN_TARGETS.values())
 TRITON_CALL = "__gpu$xla.gpu.triton"

@@ -13,7 +13,7 @@ import pytest
 import k3pallas as kp
 from k3pallas import testing
 
-from oracle import check_codes, check_scales, f64, quant_oracle, rmsnorm64
+from support import check_codes, check_scales, f64, quant_oracle, rmsnorm64
 
 FNUZ = "float8_e4m3fnuz"
 
