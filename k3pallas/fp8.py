@@ -157,14 +157,16 @@ def resolve_cast_mode(fp8_cast) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Params:
-    """Resolved per-token FP8 options, as the kernels and the reference take them."""
+    """Resolved per-token FP8 options, as the kernels and the reference take them (one record
+    from the API to the kernel epilogue)."""
 
     dtype: jnp.dtype
     fp8_max: float
     min_scale: float
     scale_ub: float | None
-    cast: str | None = None  # the requested float32 -> FP8 conversion (k3pallas.kernels.fp8_cast;
-    # None: $K3PALLAS_FP8_CAST, else "auto", read when a kernel is built)
+    cast: str | None = None  # the requested float32 -> FP8 conversion (None: $K3PALLAS_FP8_CAST,
+    # else "auto"; resolved per call for the kernel paths)
+    native: bool | None = None  # the conversion a kernel uses, once decided (kernels.quant)
 
 
 def resolve_fp8_params(fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None, *,

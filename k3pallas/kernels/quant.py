@@ -1,10 +1,10 @@
-"""Per-token FP8 in the kernels: the options as a kernel takes them, the per-row scale, the codes
-(integer encoder or the lowering's native cast), and the output structs. Shared by every kernel
-with an FP8 output (``gated_fp8``, ``rmsnorm``)."""
+"""The per-token FP8 epilogue of the kernels: the conversion path decided per kernel, the per-row
+scale, the codes (integer encoder or the native cast of ``fp8_cast``), and the output structs.
+Shared by every kernel with an FP8 output (``gated_fp8``, ``rmsnorm``)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -14,22 +14,11 @@ from k3pallas import fp8 as fp8_lib
 from k3pallas.kernels import common, fp8_cast
 
 
-class Quant(NamedTuple):
-    """The FP8 options as a kernel takes them: ``Fp8Params`` plus the conversion path decided
-    for this kernel (``native``: the lowering's own cast; else the integer encoder)."""
-
-    dtype: jnp.dtype
-    fp8_max: float
-    min_scale: float
-    scale_ub: float | None
-    native: bool
-
-
-def kernel_quant(fp8: fp8_lib.Fp8Params, *, interpret: bool) -> Quant:
-    """``fp8`` with the conversion path decided (``fp8_cast.decide``: may run the device
-    self-check once)."""
+def kernel_quant(fp8: fp8_lib.Fp8Params, *, interpret: bool) -> fp8_lib.Fp8Params:
+    """``fp8`` with its conversion path decided for this kernel (``native``; ``fp8_cast.decide``
+    may run the device self-check once)."""
     native = fp8_cast.decide(fp8.dtype, fp8.cast, interpret=interpret).native
-    return Quant(fp8.dtype, fp8.fp8_max, fp8.min_scale, fp8.scale_ub, native)
+    return dataclasses.replace(fp8, native=native)
 
 
 def _row_reduce(fn, a):
@@ -38,7 +27,7 @@ def _row_reduce(fn, a):
     return a
 
 
-def row_scale(tiles, q: Quant):
+def row_scale(tiles, q: fp8_lib.Fp8Params):
     """Per-row scale ``[R]`` over float32 tiles ``[R, ...]`` that together hold the rows."""
     amax = total = None
     for y in tiles:
@@ -55,7 +44,7 @@ def row_scale(tiles, q: Quant):
     return jnp.where(nonfinite, jnp.nan, scale)
 
 
-def codes(y, inv_scale, q: Quant):
+def codes(y, inv_scale, q: fp8_lib.Fp8Params):
     v = y * inv_scale
     if q.scale_ub is not None:
         # Comparisons, not min/max: NaN must pass through to the encoder.
@@ -65,16 +54,16 @@ def codes(y, inv_scale, q: Quant):
     return fp8_lib.encode_fp8(v, q.dtype)
 
 
-def codes_struct(shape, quant: Quant):
+def codes_struct(shape, quant: fp8_lib.Fp8Params):
     return jax.ShapeDtypeStruct(shape, quant.dtype if quant.native else jnp.uint8)
 
 
-def codes_poison(quant: Quant):
+def codes_poison(quant: fp8_lib.Fp8Params):
     """A code that decodes to NaN in the output format (for ``common.poisoned_outputs``)."""
     return float("nan") if quant.native else fp8_lib.fp8_format(quant.dtype).nan_code
 
 
-def as_fp8(codes, quant: Quant):
+def as_fp8(codes, quant: fp8_lib.Fp8Params):
     return codes if quant.native else lax.bitcast_convert_type(codes, quant.dtype)
 
 

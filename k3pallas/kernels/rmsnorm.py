@@ -39,7 +39,7 @@ class Segment(NamedTuple):
 
 
 def _kernel(*refs, n_rows: int, rows: int, n_sources: int, segments: tuple[Segment, ...],
-            quant: quant_lib.Quant | None, groups: tuple[tuple[int, ...], ...] | None = None):
+            quant: fp8_lib.Fp8Params | None, groups: tuple[tuple[int, ...], ...] | None = None):
     """``groups``: None, every segment in each program; else the segments of the programs
     ``pl.program_id(1) = 0, 1, ...`` of a row block (``LaunchConfig.split``)."""
     n_norm = sum(s.eps is not None for s in segments)
