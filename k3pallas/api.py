@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from k3pallas import fp8 as fp8_lib, platform
 from k3pallas._checks import FLOAT_DTYPES, static_positive_float
 from k3pallas.fp8 import QuantizedActivation
+from k3pallas import ops as table
 from k3pallas.ops import IMPLS, call
 
 __all__ = ["rmsnorm", "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm_gated", "rmsnorm_gated_fp8_per_token",
@@ -104,7 +105,7 @@ def rmsnorm(x, weight, eps=1e-6, *, impl="auto"):
     Raises: TypeError (non-array, unsupported dtype, traced eps, gradient), ValueError (shapes,
     eps, impl), RuntimeError (impl="pallas" without a GPU target).
     """
-    op = "rmsnorm"
+    op = table.RMSNORM.name
     _check_array(op, "x", x)
     _check_weight(op, "weight", weight, x.shape[-1], "x")
     eps = _check_eps(op, "eps", eps)
@@ -126,7 +127,7 @@ def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None,
 
     Raises: as ``rmsnorm``; ValueError if the leading dims differ.
     """
-    op = "fused_q_kv_rmsnorm"
+    op = table.FUSED_Q_KV_RMSNORM.name
     eps, kv_eps = _check_fused(op, q_c, kv_c, q_weight, kv_weight, eps, kv_eps)
     return tuple(call(op, impl, (q_c, kv_c, q_weight, kv_weight), dict(eps=eps, kv_eps=kv_eps)))
 
@@ -180,7 +181,7 @@ def mla_q_kv_norm(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_size=1
 
     Raises: as ``rmsnorm``; ValueError if ``qkv_a`` has fewer than ``q_size + kv_size`` columns.
     """
-    op = "mla_q_kv_norm"
+    op = table.MLA_Q_KV_NORM.name
     options = _check_packed(op, qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size)
     q_out, kv_out, *pe = call(op, impl, (qkv_a, q_weight, kv_weight), options)
     return q_out, kv_out, _k_pe(qkv_a, pe)
@@ -238,7 +239,7 @@ def rmsnorm_gated(x, weight, gate, eps=1e-5, *, activation="sigmoid", impl="auto
 
     Equivalent jnp: ``(rmsnorm_f32(x) * weight.astype(f32) * act(gate.astype(f32))).astype(x.dtype)``.
     """
-    op = "rmsnorm_gated"
+    op = table.RMSNORM_GATED.name
     eps = _check_gated(op, x, weight, gate, eps, activation)
     return call(op, impl, (x, weight, gate), dict(eps=eps, activation=activation))
 
@@ -270,7 +271,7 @@ def rmsnorm_gated_fp8_per_token(x, weight, gate, eps=1e-5, *, activation="sigmoi
     Raises: TypeError / ValueError naming the bad argument; RuntimeError for impl="pallas"
     without a GPU target; TypeError on any gradient.
     """
-    op = "rmsnorm_gated_fp8_per_token"
+    op = table.RMSNORM_GATED_FP8_PER_TOKEN.name
     eps = _check_gated(op, x, weight, gate, eps, activation)
     if x.ndim < 3:  # [H, D] or [T, H*D] would be ambiguous: the scale is per token
         raise ValueError(f"{op}: x and gate must be [..., T, H, D] (rank >= 3: tokens, heads, head "
@@ -322,7 +323,7 @@ def per_token_fp8_quant(x, *, fp8_dtype=None, fp8_max=None, min_scale=None, scal
     Raises: TypeError / ValueError naming the bad argument; RuntimeError for impl="pallas"
     without a GPU target; TypeError on any gradient.
     """
-    op = "per_token_fp8_quant"
+    op = table.PER_TOKEN_FP8_QUANT.name
     _check_array(op, "x", x)
     q = _fp8_params(op, (x,), fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
     n = x.shape[-1]
@@ -354,7 +355,7 @@ def sigmoid_mul_fp8_per_token(x, gate, *, fp8_dtype=None, fp8_max=None, min_scal
 
     Raises: as ``per_token_fp8_quant``.
     """
-    op = "sigmoid_mul_fp8_per_token"
+    op = table.SIGMOID_MUL_FP8_PER_TOKEN.name
     _check_array(op, "x", x)
     _check_array(op, "gate", gate)
     if gate.shape != x.shape:
@@ -386,7 +387,7 @@ def fused_q_kv_rmsnorm_fp8(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=N
 
     Returns: ``(QuantizedActivation(q data [..., Dq] fp8, scale [..., 1] float32), kv_out)``.
     """
-    op = "fused_q_kv_rmsnorm_fp8"
+    op = table.FUSED_Q_KV_RMSNORM_FP8.name
     eps, kv_eps = _check_fused(op, q_c, kv_c, q_weight, kv_weight, eps, kv_eps)
     q = _fp8_params(op, (q_c, kv_c), fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
     data, scale, kv_out = call(op, impl, (q_c, kv_c, q_weight, kv_weight),
@@ -406,7 +407,7 @@ def mla_q_kv_norm_fp8(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_si
 
     Returns: ``(QuantizedActivation(q data [..., q_size], scale [..., 1]), kv_c, k_pe)``.
     """
-    op = "mla_q_kv_norm_fp8"
+    op = table.MLA_Q_KV_NORM_FP8.name
     options = _check_packed(op, qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size)
     q = _fp8_params(op, (qkv_a,), fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
     data, scale, kv_out, *pe = call(op, impl, (qkv_a, q_weight, kv_weight), dict(options, fp8=q))

@@ -131,13 +131,27 @@ def program_fn(name, tokens, mesh):
 TP = 8
 SHARDED_TOKENS = (8, 512)  # 1 and 64 tokens per device
 SHARDINGS = ("shard_map", "named")
-# The config each op is sharded at (its head / column axis divisible by 8), default its headline.
-SHARDED_CONFIG = {"rmsnorm_gated": "kimi-linear-kda", "rmsnorm_gated_fp8_per_token": "kimi-k3-kda",
-                  "sigmoid_mul_fp8_per_token": "kimi-k3-mla-out"}
-# Ops whose axis 1 (heads of [T, H, D]; columns of [T, N]) the "named" case shards, besides the
-# tokens; the others (norms over their last axis) shard the tokens.
-HEAD_SHARDED = ("rmsnorm_gated", "rmsnorm_gated_fp8_per_token", "per_token_fp8_quant",
-                "sigmoid_mul_fp8_per_token")
+
+
+def _sharded_config(name, op) -> str:
+    """The config an op is sharded at: its head / column axis divisible by 8 (jax is imported
+    only where needed: the pip-triton compile process must not load it)."""
+    from k3pallas import ops as table
+
+    return {table.RMSNORM_GATED.name: "kimi-linear-kda",
+            table.RMSNORM_GATED_FP8_PER_TOKEN.name: "kimi-k3-kda",
+            table.SIGMOID_MUL_FP8_PER_TOKEN.name: "kimi-k3-mla-out"}.get(name, op.configs[0])
+
+
+def _head_sharded(name) -> bool:
+    """Whether the "named" case shards the op's axis 1 (heads of [T, H, D]; columns of [T, N])
+    besides the tokens; the norms over their last axis shard the tokens."""
+    from k3pallas import ops as table
+
+    return name in (table.RMSNORM_GATED.name, table.RMSNORM_GATED_FP8_PER_TOKEN.name,
+                    table.PER_TOKEN_FP8_QUANT.name, table.SIGMOID_MUL_FP8_PER_TOKEN.name)
+
+
 SHARDED_PROGRAMS = ("kda_out_fp8_tp8_named", "mla_out_fp8_tp8_shard_map")
 SHARDED_PROGRAM_TOKENS = (64, 4096)
 
@@ -154,7 +168,7 @@ def sharded_cases(ops=None) -> list[dict]:
             continue
         for mode in SHARDINGS:
             for t in SHARDED_TOKENS:
-                out.append({"sharded": mode, "op": name, "config": SHARDED_CONFIG.get(name, op.configs[0]),
+                out.append({"sharded": mode, "op": name, "config": _sharded_config(name, op),
                             "tokens": t, **({"fp8_cast": "native"} if op.fp8 else {})})
     if not ops:
         out += [{"sharded": p.rsplit("_tp8_", 1)[1], "op": p, "config": "kimi-k3 TP8", "tokens": t,
@@ -211,7 +225,7 @@ def sharded_fn(case, mesh):
         in_specs = tuple(P("x") if r else P() for r in rows)
         fn = jax.shard_map(call, mesh=mesh, in_specs=in_specs, out_specs=P("x"))
         return fn, [on(a, s) for a, s in zip(structs, in_specs)]
-    row_spec = P(None, "x") if case["op"] in HEAD_SHARDED else P("x")
+    row_spec = P(None, "x") if _head_sharded(case["op"]) else P("x")
     return call, [on(a, row_spec if r else P()) for a, r in zip(structs, rows)]
 
 
