@@ -20,7 +20,7 @@ TUNE_ARGS=${TUNE_ARGS:-}
 for step in $steps; do
   start=$(date +%s)
   case $step in
-    tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu tests -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu tests -q -p no:cacheprovider -rfEs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     trace) timeout 60 python3 -m bench.inspection.trace_dump "$OUT/trace_sample.json" 2>&1 | tail -8 ;;
     bench) timeout ${BENCH_TIMEOUT:-300} python3 -m bench --out "$OUT" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" | grep -v '^\[' | tail -60 ;;
     tune) timeout ${TUNE_TIMEOUT:-240} python3 -m bench.tune --out "$OUT" $TUNE_ARGS 2>"$OUT/tune.log" | tail -40 ;;
