@@ -9,10 +9,13 @@ import os
 
 import pytest
 
-from bench.rocm import check as rocm_check, env as rocm_env
+from bench.rocm import check as rocm_check
 
-ENV = os.environ.get("K3PALLAS_ROCM_ENV_JSON") or os.path.join(rocm_env.default_dir(), "env.json")
-pytestmark = pytest.mark.skipif(not os.path.exists(ENV), reason=f"no ROCm compile environment at {ENV}")
+# Only where asked for (CI's gate stage sets it; so can a developer): it takes a minute or two,
+# and the gate itself already compiles everything.
+ENV = os.environ.get("K3PALLAS_ROCM_ENV_JSON", "")
+pytestmark = pytest.mark.skipif(not os.path.exists(ENV),
+                                reason="set K3PALLAS_ROCM_ENV_JSON to a bench.rocm.env env.json")
 
 
 @pytest.fixture(scope="module")
