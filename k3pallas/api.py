@@ -23,7 +23,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from k3pallas import fp8 as fp8_lib, platform
+from k3pallas import fp8 as fp8_lib, mx as mx_lib, platform
 from k3pallas._checks import FLOAT_DTYPES, static_positive_float
 from k3pallas.fp8 import QuantizedActivation
 from k3pallas import ops as table
@@ -31,9 +31,11 @@ from k3pallas.ops import IMPLS, call
 
 __all__ = ["rmsnorm", "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm_gated", "rmsnorm_gated_fp8_per_token",
            "per_token_fp8_quant", "sigmoid_mul_fp8_per_token", "fused_q_kv_rmsnorm_fp8",
-           "mla_q_kv_norm_fp8", "IMPLS", "ACTIVATIONS"]
+           "mla_q_kv_norm_fp8", "quantize_activation", "rmsnorm_gated_quant", "sigmoid_mul_quant",
+           "fused_q_kv_rmsnorm_quant", "mla_q_kv_norm_quant", "IMPLS", "ACTIVATIONS", "OUT_FORMATS"]
 
 ACTIVATIONS = ("sigmoid", "silu")
+OUT_FORMATS = mx_lib.OUT_FORMATS
 SUPPORTED_DTYPES = FLOAT_DTYPES
 
 
@@ -416,3 +418,168 @@ def mla_q_kv_norm_fp8(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_si
 
 
 
+
+
+# ------------------------------------------------------------------------------------------------
+# The quantizing ops by output format: per-token FP8 (the functions above), MXFP8 or MXFP4
+# ------------------------------------------------------------------------------------------------
+#
+# Each ``*_quant`` function takes ``out_format``: "fp8_per_token" (default) calls the per-token
+# FP8 function of the same fusion with every option; "mxfp8" / "mxfp4" run the fusion's MX op
+# (``k3pallas.ops``), one launch, and take only ``fp8_cast`` besides ``impl`` (the per-token
+# options have no meaning for a power-of-two scale per 32 elements).
+
+
+def _mx_params(op, out_format, fp8_cast, **per_token):
+    """The MX options, or None for per-token FP8; ValueError for a per-token option with MX."""
+    try:
+        out_format = mx_lib.check_out_format(out_format)
+    except ValueError as e:
+        raise ValueError(f"{op}: {e}") from None
+    if out_format == "fp8_per_token":
+        return None
+    given = [k for k, v in per_token.items() if v is not None and not (k == "scale_groups" and v == 1)]
+    if given:
+        raise ValueError(f"{op}: {', '.join(given)} apply to out_format='fp8_per_token' only; "
+                         f"{out_format} has one power-of-two (e8m0) scale per {mx_lib.BLOCK} "
+                         f"elements and the element format {mx_lib.mx_format(out_format).dtype.name}")
+    try:
+        return mx_lib.resolve_mx_params(out_format, fp8_cast)
+    except ValueError as e:
+        raise ValueError(f"{op}: {e}") from None
+
+
+def _check_blocks(op, what, n):
+    if n % mx_lib.BLOCK:
+        raise ValueError(f"{op}: MX formats scale blocks of {mx_lib.BLOCK} elements, which may not "
+                         f"cross {what}: its size ({n}) must be a multiple of {mx_lib.BLOCK}")
+
+
+def _blocks(a):
+    return a.reshape(a.shape[:-1] + (a.shape[-1] // mx_lib.BLOCK, mx_lib.BLOCK))
+
+
+def quantize_activation(x, *, out_format="fp8_per_token", fp8_dtype=None, fp8_max=None,
+                        min_scale=None, scale_ub=None, scale_groups=None, fp8_cast=None,
+                        impl="auto") -> QuantizedActivation:
+    """Dynamic quantization of ``x [..., N]`` (an already-normed activation) to ``out_format``.
+
+    ``"fp8_per_token"`` (default): ``per_token_fp8_quant`` with the other options.
+    ``"mxfp8"`` / ``"mxfp4"``: MX (``k3pallas.mx``): one e8m0 scale per 32 contiguous elements
+    of a row, jax's own MX rounding; ``N`` a multiple of 32. Returns
+    ``QuantizedActivation(data [..., N] float8_e4m3fn | float4_e2m1fn, scale [..., N / 32]
+    float8_e8m0fnu)``, the operands ``jax.nn.scaled_matmul`` takes (``k3pallas.mx_linear``).
+    ``fp8_cast``: the element conversion, as in ``per_token_fp8_quant`` (MXFP4: the encoder).
+    """
+    op = "quantize_activation"
+    mx = _mx_params(op, out_format, fp8_cast, fp8_dtype=fp8_dtype, fp8_max=fp8_max,
+                    min_scale=min_scale, scale_ub=scale_ub, scale_groups=scale_groups)
+    if mx is None:
+        return per_token_fp8_quant(x, fp8_dtype=fp8_dtype, fp8_max=fp8_max, min_scale=min_scale,
+                                   scale_ub=scale_ub, scale_groups=scale_groups or 1,
+                                   fp8_cast=fp8_cast, impl=impl)
+    name = table.MX_QUANT.name
+    _check_array(op, "x", x)
+    _check_blocks(op, "the last dim of x", x.shape[-1])
+    data, scale = call(name, impl, (_blocks(x),), dict(mx=mx), originals=(x,))
+    return QuantizedActivation(data.reshape(x.shape), scale)
+
+
+def sigmoid_mul_quant(x, gate, *, out_format="fp8_per_token", fp8_dtype=None, fp8_max=None,
+                      min_scale=None, scale_ub=None, scale_groups=None, fp8_cast=None,
+                      impl="auto") -> QuantizedActivation:
+    """MLA's output gate ``x * sigmoid(gate)`` fused with quantization to ``out_format``, ONE
+    launch: ``sigmoid_mul_fp8_per_token`` for "fp8_per_token" (default); for "mxfp8" / "mxfp4"
+    as ``quantize_activation`` of the float32 product (``N`` a multiple of 32; a block never
+    crosses a head of 128)."""
+    op = "sigmoid_mul_quant"
+    mx = _mx_params(op, out_format, fp8_cast, fp8_dtype=fp8_dtype, fp8_max=fp8_max,
+                    min_scale=min_scale, scale_ub=scale_ub, scale_groups=scale_groups)
+    if mx is None:
+        return sigmoid_mul_fp8_per_token(x, gate, fp8_dtype=fp8_dtype, fp8_max=fp8_max,
+                                         min_scale=min_scale, scale_ub=scale_ub,
+                                         scale_groups=scale_groups or 1, fp8_cast=fp8_cast,
+                                         impl=impl)
+    name = table.SIGMOID_MUL_MX.name
+    _check_array(op, "x", x)
+    _check_array(op, "gate", gate)
+    if gate.shape != x.shape:
+        raise ValueError(f"{op}: gate must have the shape of x; got gate {tuple(gate.shape)} and "
+                         f"x {tuple(x.shape)}")
+    _check_blocks(op, "the last dim of x", x.shape[-1])
+    data, scale = call(name, impl, (_blocks(x), _blocks(gate)), dict(mx=mx), originals=(x, gate))
+    return QuantizedActivation(data.reshape(x.shape), scale)
+
+
+def rmsnorm_gated_quant(x, weight, gate, eps=1e-5, *, activation="sigmoid",
+                        out_format="fp8_per_token", fp8_dtype=None, fp8_max=None, min_scale=None,
+                        scale_ub=None, scale_groups=None, fp8_cast=None,
+                        impl="auto") -> QuantizedActivation:
+    """Gated RMSNorm (``rmsnorm_gated``) fused with quantization to ``out_format``, ONE launch:
+    ``rmsnorm_gated_fp8_per_token`` for "fp8_per_token" (default); for "mxfp8" / "mxfp4" the
+    float32 ``y`` of each head quantized in blocks of 32 of its head dim (``D`` a multiple of
+    32; a block never crosses a head). Returns ``QuantizedActivation(data [..., T, H*D],
+    scale [..., T, H*D / 32] float8_e8m0fnu)`` for MX: the o_proj input of
+    ``jax.nn.scaled_matmul`` (``k3pallas.mx_linear``)."""
+    op = "rmsnorm_gated_quant"
+    mx = _mx_params(op, out_format, fp8_cast, fp8_dtype=fp8_dtype, fp8_max=fp8_max,
+                    min_scale=min_scale, scale_ub=scale_ub, scale_groups=scale_groups)
+    if mx is None:
+        return rmsnorm_gated_fp8_per_token(x, weight, gate, eps, activation=activation,
+                                           fp8_dtype=fp8_dtype, fp8_max=fp8_max,
+                                           min_scale=min_scale, scale_ub=scale_ub,
+                                           scale_groups=scale_groups or 1, fp8_cast=fp8_cast,
+                                           impl=impl)
+    name = table.RMSNORM_GATED_MX.name
+    eps = _check_gated(op, x, weight, gate, eps, activation)
+    if x.ndim < 3:
+        raise ValueError(f"{op}: x and gate must be [..., T, H, D] (rank >= 3: tokens, heads, head "
+                         f"dim; one token: x[None]); got shape {tuple(x.shape)}")
+    _check_blocks(op, "the head dim (last axis of x)", x.shape[-1])
+    data, scale = call(name, impl, (_blocks(x), _blocks(weight), _blocks(gate)),
+                       dict(eps=eps, activation=activation, mx=mx), originals=(x, weight, gate))
+    lead = x.shape[:-2]
+    return QuantizedActivation(data.reshape(lead + (-1,)), scale.reshape(lead + (-1,)))
+
+
+def fused_q_kv_rmsnorm_quant(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None,
+                             out_format="fp8_per_token", fp8_dtype=None, fp8_max=None,
+                             min_scale=None, scale_ub=None, fp8_cast=None, impl="auto"):
+    """The joint q/kv RMSNorm with q quantized to ``out_format``, ONE launch:
+    ``fused_q_kv_rmsnorm_fp8`` for "fp8_per_token" (default); for "mxfp8" / "mxfp4" q's float32
+    norm in blocks of 32 (``Dq`` a multiple of 32): ``(QuantizedActivation(q data [..., Dq],
+    scale [..., Dq / 32] float8_e8m0fnu), kv_out)``."""
+    op = "fused_q_kv_rmsnorm_quant"
+    mx = _mx_params(op, out_format, fp8_cast, fp8_dtype=fp8_dtype, fp8_max=fp8_max,
+                    min_scale=min_scale, scale_ub=scale_ub)
+    if mx is None:
+        return fused_q_kv_rmsnorm_fp8(q_c, kv_c, q_weight, kv_weight, eps, kv_eps=kv_eps,
+                                      fp8_dtype=fp8_dtype, fp8_max=fp8_max, min_scale=min_scale,
+                                      scale_ub=scale_ub, fp8_cast=fp8_cast, impl=impl)
+    name = table.FUSED_Q_KV_RMSNORM_MX.name
+    eps, kv_eps = _check_fused(op, q_c, kv_c, q_weight, kv_weight, eps, kv_eps)
+    _check_blocks(op, "the last dim of q_c", q_c.shape[-1])
+    data, scale, kv_out = call(name, impl, (q_c, kv_c, q_weight, kv_weight),
+                               dict(eps=eps, kv_eps=kv_eps, mx=mx))
+    return QuantizedActivation(data, scale), kv_out
+
+
+def mla_q_kv_norm_quant(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_size=1536,
+                        kv_size=512, out_format="fp8_per_token", fp8_dtype=None, fp8_max=None,
+                        min_scale=None, scale_ub=None, fp8_cast=None, impl="auto"):
+    """``mla_q_kv_norm`` with q quantized to ``out_format``, ONE launch: ``mla_q_kv_norm_fp8``
+    for "fp8_per_token" (default); MX as in ``fused_q_kv_rmsnorm_quant`` (``q_size`` a multiple
+    of 32): ``(QuantizedActivation(q data, scale [..., q_size / 32]), kv_c, k_pe)``."""
+    op = "mla_q_kv_norm_quant"
+    mx = _mx_params(op, out_format, fp8_cast, fp8_dtype=fp8_dtype, fp8_max=fp8_max,
+                    min_scale=min_scale, scale_ub=scale_ub)
+    if mx is None:
+        return mla_q_kv_norm_fp8(qkv_a, q_weight, kv_weight, eps, kv_eps=kv_eps, q_size=q_size,
+                                 kv_size=kv_size, fp8_dtype=fp8_dtype, fp8_max=fp8_max,
+                                 min_scale=min_scale, scale_ub=scale_ub, fp8_cast=fp8_cast,
+                                 impl=impl)
+    name = table.MLA_Q_KV_NORM_MX.name
+    options = _check_packed(op, qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size)
+    _check_blocks(op, "q_size", options["q_size"])
+    data, scale, kv_out, *pe = call(name, impl, (qkv_a, q_weight, kv_weight), dict(options, mx=mx))
+    return QuantizedActivation(data, scale), kv_out, _k_pe(qkv_a, pe)

@@ -32,7 +32,7 @@ __all__ = [
     "FP8_E4M3FN_MAX", "FP8_E4M3FNUZ_MAX", "FP8_E4M3FNUZ_MAX_AITER", "FP8_E5M2_MAX",
     "FP8_DTYPES", "QuantizedActivation", "default_fp8_dtype", "default_fp8_max",
     "fp8_format", "encode_fp8", "Fp8Params", "resolve_fp8_params", "CAST_MODES", "CAST_ENV_VAR",
-    "check_cast_mode", "resolve_cast_mode",
+    "check_cast_mode", "resolve_cast_mode", "element_format",
 ]
 
 FP8_E4M3FN_MAX = 448.0
@@ -72,6 +72,16 @@ _FORMATS = {
                                           FP8_E5M2_MAX, True, 0x7E),
 }
 FP8_DTYPES = tuple(_FORMATS)
+# MXFP4's element format (OCP e2m1: no infinity, no NaN; ml_dtypes and XLA convert NaN to 0x8).
+# Not an fp8_dtype: only the MX formats (``k3pallas.mx``) use it, through ``element_format``.
+_E2M1 = Fp8Format(jnp.dtype(jnp.float4_e2m1fn), 2, 1, 1, 6.0, 6.0, True, 0x8)
+
+
+def element_format(dtype) -> Fp8Format:
+    """The format record of an fp8 dtype or of ``float4_e2m1fn``; TypeError otherwise."""
+    if jnp.dtype(dtype) == _E2M1.dtype:
+        return _E2M1
+    return fp8_format(dtype)
 
 
 def fp8_format(dtype) -> Fp8Format:
@@ -197,9 +207,14 @@ def resolve_fp8_params(fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=No
 
 
 class QuantizedActivation(NamedTuple):
-    """Per-token FP8 activation: ``data [..., N]`` in an fp8 dtype, ``scale [..., G]`` float32,
-    one scale per token for each of ``G`` equal, contiguous column groups (``G = 1``: one per
-    token).
+    """A quantized activation: ``data [..., N]`` and ``scale [..., G]``, one scale for each of
+    ``G`` equal, contiguous column groups of a token's row.
+
+    * per-token FP8 (``format == "fp8_per_token"``): ``data`` in an fp8 dtype, ``scale`` float32,
+      ``G = 1`` (one per token) or the ``scale_groups`` asked for;
+    * MX (``"mxfp8"`` / ``"mxfp4"``, ``k3pallas.mx``): ``data`` ``float8_e4m3fn`` /
+      ``float4_e2m1fn``, ``scale`` ``float8_e8m0fnu``, ``G = N / 32``: the operands of
+      ``jax.nn.scaled_matmul``.
 
     ``data * scale`` (per group) approximates the original activation. A NamedTuple, so
     ``q, scale = qa`` unpacks and it passes through ``jax.jit`` as a pytree.
@@ -208,8 +223,16 @@ class QuantizedActivation(NamedTuple):
     data: jax.Array
     scale: jax.Array
 
+    @property
+    def format(self) -> str:
+        """"fp8_per_token", "mxfp8" or "mxfp4", from the dtypes."""
+        if jnp.dtype(self.scale.dtype) != jnp.dtype(jnp.float8_e8m0fnu):
+            return "fp8_per_token"
+        return "mxfp4" if jnp.dtype(self.data.dtype) == jnp.dtype(jnp.float4_e2m1fn) else "mxfp8"
+
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """``data.astype(float32) * scale`` per column group, cast to ``dtype``; ``[..., N]``."""
+        """``data.astype(float32) * scale`` per column group, cast to ``dtype``; ``[..., N]``
+        (an e8m0 scale of code 255 is NaN: its block dequantizes to NaN)."""
         if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
             raise TypeError(f"QuantizedActivation.dequantize: dtype must be floating, got "
                             f"{jnp.dtype(dtype).name} (the values are not integers)")
@@ -219,11 +242,13 @@ class QuantizedActivation(NamedTuple):
                              f"data {tuple(self.data.shape)} (scale [..., G], G dividing N)")
         lead = self.data.shape[:-1]
         d = self.data.astype(jnp.float32).reshape(lead + (groups, n // groups))
-        return (d * self.scale[..., None]).reshape(self.data.shape).astype(dtype)
+        s = self.scale.astype(jnp.float32)
+        return (d * s[..., None]).reshape(self.data.shape).astype(dtype)
 
 
 def encode_fp8(v: jax.Array, dtype) -> jax.Array:
-    """float32 -> fp8 code (int32 in [0, 255]), round to nearest even, without a float8 cast.
+    """float32 -> fp8 code (int32 in [0, 255]), round to nearest even, without a float8 cast; for
+    ``float4_e2m1fn`` (MXFP4's element) the 4-bit code in [0, 15] the same way.
 
     Bit-exact with ``v.astype(dtype)`` for every float32 ``v`` with ``|v| <=`` the format's largest
     finite value, and for NaN (fn, e5m2: sign kept; fnuz: 0x80). Larger values are outside its
@@ -238,8 +263,9 @@ def encode_fp8(v: jax.Array, dtype) -> jax.Array:
     the addition itself rounds to nearest even at that position, and the code is the low bits of
     the sum. It costs a few times what a native conversion does (bench/results/rocm_check.md).
     """
-    fmt = fp8_format(dtype)
+    fmt = element_format(dtype)
     m_bits, bias = fmt.man_bits, fmt.bias
+    sign_bit = 1 << (fmt.exp_bits + fmt.man_bits)
     shift = 23 - m_bits  # float32 mantissa bits dropped for a normal result
     min_normal_bits = (127 - bias + 1) << 23  # float32 bits of the format's smallest normal
     magic_exp = (127 - bias) + shift + 1  # ulp(2**(magic_exp - 127)) = smallest subnormal
@@ -256,10 +282,10 @@ def encode_fp8(v: jax.Array, dtype) -> jax.Array:
     mag = jnp.where(a < min_normal_bits, sub, normal)
     negative = bits < 0
     if fmt.has_negative_zero:
-        sign = jnp.where(negative, 0x80, 0)
+        sign = jnp.where(negative, sign_bit, 0)
         code = mag | sign
         nan = fmt.nan_code | sign
     else:
-        code = jnp.where(negative & (mag != 0), mag | 0x80, mag)
+        code = jnp.where(negative & (mag != 0), mag | sign_bit, mag)
         nan = fmt.nan_code
     return jnp.where(a > 0x7F800000, nan, code)

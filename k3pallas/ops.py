@@ -40,6 +40,7 @@ class Op:
     rule: Callable[[dict, tuple], Rule]  # (options, arrays) -> the sharding rule
     reference: Callable
     fp8: bool = False  # writes per-token FP8 (a QuantizedActivation)
+    mx: bool = False  # writes an MX format (k3pallas.mx), option ``mx``
 
     @functools.cached_property
     def operand_names(self) -> tuple[str, ...]:
@@ -93,9 +94,32 @@ FUSED_Q_KV_RMSNORM_FP8 = Op(
 MLA_Q_KV_NORM_FP8 = Op("mla_q_kv_norm_fp8", _packed_rule("... q, ... g, ... k"),
                        reference.mla_q_kv_norm_fp8, fp8=True)
 
+# The MX ops (MXFP8 / MXFP4 by their ``mx`` option): arrays in blocks of 32, ``[..., B, 32]``
+# (``e``), so that a block never crosses a head or a shard boundary; the scales ``[..., B]``.
+# Block axes may be sharded where the op allows columns to be (the standalone quant and the
+# sigmoid-mul); a head's blocks may not (normalized whole), nor q's in the joint norms.
+_BLOCK_FIXED = (("e", "the block (last) axis of {}"),)
+_MX_HEAD_FIXED = (("b", "the head dim of {}"), ("e", "the head dim of {}"))
+MX_QUANT = Op("mx_quant", lambda o, a: Rule("... b e -> ... b e, ... b", fixed=_BLOCK_FIXED),
+              reference.mx_quant, mx=True)
+SIGMOID_MUL_MX = Op("sigmoid_mul_mx",
+                    lambda o, a: Rule("... b e, ... b e -> ... b e, ... b", fixed=_BLOCK_FIXED),
+                    reference.sigmoid_mul_mx, mx=True)
+RMSNORM_GATED_MX = Op(
+    "rmsnorm_gated_mx",
+    lambda o, a: Rule("... h b e, b e, ... h b e -> ... h b e, ... h b", fixed=_MX_HEAD_FIXED),
+    reference.rmsnorm_gated_mx, mx=True)
+FUSED_Q_KV_RMSNORM_MX = Op(
+    "fused_q_kv_rmsnorm_mx",
+    lambda o, a: Rule("... q, ... k, q, k -> ... q, ... s, ... k", fixed=_QKV_FIXED),
+    reference.fused_q_kv_rmsnorm_mx, mx=True)
+MLA_Q_KV_NORM_MX = Op("mla_q_kv_norm_mx", _packed_rule("... q, ... s, ... k"),
+                      reference.mla_q_kv_norm_mx, mx=True)
+
 OPS: dict[str, Op] = {op.name: op for op in (
     RMSNORM, FUSED_Q_KV_RMSNORM, MLA_Q_KV_NORM, RMSNORM_GATED, RMSNORM_GATED_FP8_PER_TOKEN,
-    PER_TOKEN_FP8_QUANT, SIGMOID_MUL_FP8_PER_TOKEN, FUSED_Q_KV_RMSNORM_FP8, MLA_Q_KV_NORM_FP8)}
+    PER_TOKEN_FP8_QUANT, SIGMOID_MUL_FP8_PER_TOKEN, FUSED_Q_KV_RMSNORM_FP8, MLA_Q_KV_NORM_FP8,
+    MX_QUANT, SIGMOID_MUL_MX, RMSNORM_GATED_MX, FUSED_Q_KV_RMSNORM_MX, MLA_Q_KV_NORM_MX)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -165,7 +189,7 @@ def _call(op: Op, impl, arrays, options, originals):
               if t[0] == "..." and t[-1] in fixed]
     sharding.check_call_shardings(name, impl, rows, checks)
     ref = functools.partial(op.reference, **options)
-    if op.fp8:  # what the kernels cannot index is refused whatever the implementation
+    if op.fp8 or op.mx:  # what the kernels cannot index is refused whatever the implementation
         from k3pallas.kernels import common
 
         for out in jax.tree_util.tree_leaves(jax.eval_shape(ref, *arrays)):
@@ -181,11 +205,12 @@ def _call(op: Op, impl, arrays, options, originals):
     from k3pallas import kernels
     from k3pallas.kernels import hooks
 
-    fp8 = options.get("fp8")
+    key = "mx" if op.mx else "fp8"
+    fp8 = options.get(key)
     if fp8 is not None and fp8.cast is None:  # $K3PALLAS_FP8_CAST, read per call: a kernel's
         # traces are cached by their options, so the mode must be one of them
         try:
-            options = {**options, "fp8": dataclasses.replace(fp8, cast=fp8_lib.resolve_cast_mode(None))}
+            options = {**options, key: dataclasses.replace(fp8, cast=fp8_lib.resolve_cast_mode(None))}
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
     run = sharding.partitioned(name, rule, _on_target(kernels.entry(name), name),

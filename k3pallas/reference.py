@@ -11,10 +11,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from k3pallas import mx as mx_lib
+
 __all__ = [
     "rmsnorm", "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm_gated", "per_token_fp8_quant",
     "rmsnorm_gated_fp8_per_token", "sigmoid_mul_fp8_per_token", "fused_q_kv_rmsnorm_fp8",
-    "mla_q_kv_norm_fp8", "activation_fn",
+    "mla_q_kv_norm_fp8", "activation_fn", "mx_quantize", "mx_quant", "sigmoid_mul_mx",
+    "rmsnorm_gated_mx", "fused_q_kv_rmsnorm_mx", "mla_q_kv_norm_mx",
 ]
 
 
@@ -111,4 +114,65 @@ def mla_q_kv_norm_fp8(qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size, 
     q = qkv_a[..., :q_size]
     kv = qkv_a[..., q_size:q_size + kv_size]
     return (*fused_q_kv_rmsnorm_fp8(q, kv, q_weight, kv_weight, eps, kv_eps, fp8),
+            qkv_a[..., q_size + kv_size:])
+
+
+# ------------------------------------------------------------------------------------------------
+# MX block-scaled formats (k3pallas.mx): jax's own MX quantization, per block of 32
+# ------------------------------------------------------------------------------------------------
+
+
+def mx_quantize(y, mx):
+    """MX of ``y [..., B, 32]`` (math in float32) with the resolved options ``mx``
+    (``k3pallas.mx.MxParams``): ``(elements [..., B, 32], float8_e8m0fnu scales [..., B])``.
+
+    As ``jax._src.cudnn.scaled_matmul_stablehlo.quantize``: ``scale`` = ``amax / elem_max``
+    (float32 division) rounded up to a power of two (e8m0), ``data = clip(y / scale)`` cast
+    with round-to-nearest-even; a block holding NaN or inf gets the NaN scale (code 255) and
+    NaN codes (MXFP4: 0x8). See ``k3pallas.mx``.
+    """
+    fmt = mx.fmt
+    y = y.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(y), axis=-1)
+    nonfinite = ~jnp.all(jnp.isfinite(y), axis=-1)  # explicit: XLA's CPU max can drop NaN
+    code = jnp.where(nonfinite, 255, mx_lib.scale_code_reference(amax, fmt))
+    scale = mx_lib.decode_scale(code)[..., None]
+    data = jnp.clip(y / scale, -fmt.elem_max, fmt.elem_max).astype(fmt.dtype)
+    return data, mx_lib.as_e8m0(code)
+
+
+def _blocks(y):
+    return y.reshape(*y.shape[:-1], y.shape[-1] // mx_lib.BLOCK, mx_lib.BLOCK)
+
+
+def mx_quant(x, mx):
+    """``x [..., B, 32]`` -> ``mx_quantize(x)``."""
+    return mx_quantize(x, mx)
+
+
+def sigmoid_mul_mx(x, gate, mx):
+    """MX of ``x * sigmoid(gate)`` in float32, ``x``, ``gate`` ``[..., B, 32]``."""
+    return mx_quantize(x.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32)), mx)
+
+
+def rmsnorm_gated_mx(x, weight, gate, eps, activation, mx):
+    """MX of the float32 gated RMSNorm of ``x [..., H, B, 32]`` per head (``weight [B, 32]``)."""
+    heads = x.shape[:-2] + (x.shape[-2] * x.shape[-1],)
+    y = _gated_f32(x.reshape(heads), weight.reshape(-1), gate.reshape(heads), eps, activation)
+    return mx_quantize(y.reshape(x.shape), mx)
+
+
+def fused_q_kv_rmsnorm_mx(q_c, kv_c, q_weight, kv_weight, eps, kv_eps, mx):
+    """q normalized in float32 and MX-quantized (never rounded to ``q_c.dtype`` first); kv as
+    ``rmsnorm``. Returns ``(q elements [..., Dq], q scales [..., Dq / 32], kv_out)``."""
+    qf = q_c.astype(jnp.float32)
+    data, scale = mx_quantize(_blocks(qf * _inv_rms(qf, eps) * q_weight.astype(jnp.float32)), mx)
+    return data.reshape(q_c.shape), scale, rmsnorm(kv_c, kv_weight, kv_eps)
+
+
+def mla_q_kv_norm_mx(qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size, mx):
+    """``fused_q_kv_rmsnorm_mx`` of the packed rows' q and kv, k_pe passed through."""
+    q = qkv_a[..., :q_size]
+    kv = qkv_a[..., q_size:q_size + kv_size]
+    return (*fused_q_kv_rmsnorm_mx(q, kv, q_weight, kv_weight, eps, kv_eps, mx),
             qkv_a[..., q_size + kv_size:])

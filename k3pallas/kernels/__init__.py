@@ -17,9 +17,9 @@ would be one more package with the same ``entry``.
 
 from __future__ import annotations
 
-from k3pallas.kernels import gated_fp8, rmsnorm
+from k3pallas.kernels import gated_fp8, mx, rmsnorm
 
-_ENTRIES = {fn.__name__: fn for module in (rmsnorm, gated_fp8) for fn in module.ENTRIES}
+_ENTRIES = {fn.__name__: fn for module in (rmsnorm, gated_fp8, mx) for fn in module.ENTRIES}
 
 
 def entry(op: str):

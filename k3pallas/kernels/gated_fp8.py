@@ -32,7 +32,7 @@ from k3pallas.kernels import common, launch, quant as quant_lib
 _LOG2E = 1.4426950408889634
 
 
-def _activation(g, name: str):
+def act_fn(g, name: str):
     r = jax.lax.rsqrt(1.0 + jnp.exp2(g * -_LOG2E))  # 1 / sqrt(1 + e^-g); see the module doc
     sig = r * r
     return sig if name == "sigmoid" else g * sig
@@ -57,7 +57,7 @@ def _gated_y(x, g, w, *, width, eps, activation):
     float32 ``[1, 1, D]``)."""
     x = x.astype(jnp.float32)
     ms = jnp.sum(x * x, axis=-1, keepdims=True) / width
-    return x * common.inv_rms(ms, eps) * w * _activation(g.astype(jnp.float32), activation)
+    return x * common.inv_rms(ms, eps) * w * act_fn(g.astype(jnp.float32), activation)
 
 
 def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activation, quant, mode):
@@ -90,7 +90,7 @@ def _sigmoid_mul_kernel(x_ref, g_ref, *refs, n_rows, rows, width, quant, mode):
         mask = in_rows if c0 + size <= width else common.both(in_rows, c < width)
         index = (r, c)
         loaded.append((index, mask, common.load(x_ref, index, mask), common.load(g_ref, index, mask)))
-    ys = [(index, mask, x.astype(jnp.float32) * _activation(g.astype(jnp.float32), "sigmoid"))
+    ys = [(index, mask, x.astype(jnp.float32) * act_fn(g.astype(jnp.float32), "sigmoid"))
           for index, mask, x, g in loaded]
     quant_lib.epilogue(ys, out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant, mode=mode)
 

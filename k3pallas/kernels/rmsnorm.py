@@ -26,9 +26,9 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from k3pallas import fp8 as fp8_lib
+from k3pallas import fp8 as fp8_lib, mx as mx_lib
 from k3pallas._compat import pl
-from k3pallas.kernels import common, launch, quant as quant_lib
+from k3pallas.kernels import common, launch, mx as mx_kernels, quant as quant_lib
 
 
 class Segment(NamedTuple):
@@ -39,7 +39,8 @@ class Segment(NamedTuple):
 
 
 def _kernel(*refs, n_rows: int, rows: int, n_sources: int, segments: tuple[Segment, ...],
-            quant: fp8_lib.Fp8Params | None, groups: tuple[tuple[int, ...], ...] | None = None):
+            quant: fp8_lib.Fp8Params | mx_lib.MxParams | None,
+            groups: tuple[tuple[int, ...], ...] | None = None):
     """``groups``: None, every segment in each program; else the segments of the programs
     ``pl.program_id(1) = 0, 1, ...`` of a row block (``LaunchConfig.split``)."""
     n_norm = sum(s.eps is not None for s in segments)
@@ -64,11 +65,14 @@ def _kernel(*refs, n_rows: int, rows: int, n_sources: int, segments: tuple[Segme
 def _segments(ids, x_refs, seg_w, seg_o, *, n_rows, rows, segments, quant, pid):
     """Normalize (or copy) the segments ``ids`` of this program's rows (``pid``: its row block)."""
     in_rows = common.row_mask(n_rows, rows, 2, pid)
+    mx_first = isinstance(quant, mx_lib.MxParams) and 0 in ids  # q as MX: read in blocks
     # Load every tile first: the loads then overlap, and none waits behind another tile's store
     # (a store may alias a later load as far as the compiler knows).
     tiles = []
     for i in ids:
         seg = segments[i]
+        if i == 0 and mx_first:
+            continue
         index, lanes = common.tile_index(rows, (seg.width,))
         mask = common.both(in_rows, lanes)
         src_index = index if seg.start == 0 else (index[0], index[1] + seg.start)
@@ -78,6 +82,11 @@ def _segments(ids, x_refs, seg_w, seg_o, *, n_rows, rows, segments, quant, pid):
             w_index, w_lanes = common.lane_index(seg.width)
             w = common.load(seg_w[i], w_index, w_lanes)
         tiles.append((i, index, mask, x, w))
+    if mx_first:
+        seg = segments[0]
+        mx_kernels.normalized_blocks_store(
+            x_refs[seg.source], seg_w[0], *seg_o[0], in_rows=common.row_mask(n_rows, rows, 1, pid),
+            rows=rows, col0=seg.start, width=seg.width, eps=seg.eps, q=quant)
     for i, index, mask, x, w in tiles:
         seg = segments[i]
         if seg.eps is not None:
@@ -100,12 +109,13 @@ def row_elems(widths: Sequence[int]) -> tuple[int, int]:
 def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
                   weights: Sequence[jax.Array], *, op: str, interpret: bool,
                   config: launch.LaunchConfig | None = None,
-                  fp8: fp8_lib.Fp8Params | None = None):
+                  fp8: fp8_lib.Fp8Params | mx_lib.MxParams | None = None):
     """Normalize (or copy) ``segments`` of the 2-D row-aligned inputs ``xs [T, *]``.
 
     ``weights``: one ``[width]`` array per normalized segment, in segment order. Returns one
     ``[T, width]`` array per segment, in its source's dtype; with ``fp8``, the first segment
-    instead as per-token FP8, ``codes [T, width]`` and ``scale [T]`` float32 (two results). ``op``
+    instead as per-token FP8, ``codes [T, width]`` and ``scale [T]`` float32 (two results), or
+    with ``MxParams`` as MX (``elements [T, width]``, e8m0 ``scales [T, width / 32]``). ``op``
     names the launch and picks its launch config.
     """
     n_rows = xs[0].shape[0]
@@ -117,18 +127,29 @@ def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
         config = launch.launch_config(op, n_rows, *row_elems([s.width for s in segments]),
                                       splits=splits)
     groups = ((0,), tuple(range(1, len(segments)))) if config.split in splits else None
-    quant = None if fp8 is None else quant_lib.kernel_quant(fp8, interpret=interpret)
+    is_mx = isinstance(fp8, mx_lib.MxParams)
+    if fp8 is None:
+        quant = None
+    elif is_mx:
+        quant = mx_kernels.kernel_params(fp8, interpret=interpret)
+    else:
+        quant = quant_lib.kernel_quant(fp8, interpret=interpret)
     kernel = functools.partial(_kernel, n_rows=n_rows, rows=config.rows_per_program,
                                n_sources=len(xs), segments=segments, quant=quant, groups=groups)
     outs = [jax.ShapeDtypeStruct((n_rows, s.width), xs[s.source].dtype) for s in segments]
     poison = [float("nan")] * len(outs)
-    if quant is not None:  # the first segment's output: FP8 codes and a scale per row
+    if is_mx:  # the first segment's output: MX codes and a scale code per block
+        outs[:1], poison[:1] = mx_kernels.outputs((n_rows,), segments[0].width, quant)
+    elif quant is not None:  # the first segment's output: FP8 codes and a scale per row
         outs[:1], poison[:1] = quant_lib.outputs(outs[0].shape, n_rows, quant, "dynamic", None)
     result = common.row_call(
-        kernel, name=f"k3pallas_{op}", n_rows=n_rows, config=config,
+        kernel, name=f"k3pallas_{op}" + (f"_{quant.format}" if is_mx else ""), n_rows=n_rows,
+        config=config,
         row_inputs=list(xs), shared_inputs=list(weights), out_shapes=outs, interpret=interpret,
         out_poison=poison, programs_per_block=1 if groups is None else len(groups))
-    if quant is not None:
+    if is_mx:
+        result = [*mx_kernels.results(*result[:2], quant, segments[0].width), *result[2:]]
+    elif quant is not None:
         result = [*quant_lib.results(result[:2], quant, "dynamic"), *result[2:]]
     return result
 
@@ -187,5 +208,22 @@ def mla_q_kv_norm_fp8(a, wq, wkv, *, op, q_size, kv_size, eps, kv_eps, fp8, inte
             *(o.reshape(lead + (o.shape[-1],)) for o in rest))
 
 
+def fused_q_kv_rmsnorm_mx(q, kv, wq, wkv, *, op, eps, kv_eps, mx, interpret, reduce_axes):
+    data, scale, kv_out = rmsnorm_rows([common.as_rows(q, 1), common.as_rows(kv, 1)], [wq, wkv],
+                                       [eps, kv_eps], op=op, interpret=interpret, fp8=mx)
+    return (data.reshape(q.shape), scale.reshape(q.shape[:-1] + (scale.shape[-1],)),
+            kv_out.reshape(kv.shape))
+
+
+def mla_q_kv_norm_mx(a, wq, wkv, *, op, q_size, kv_size, eps, kv_eps, mx, interpret, reduce_axes):
+    data, scale, *rest = segments_rows([common.as_rows(a, 1)],
+                                       _packed_segments(a, q_size, kv_size, eps, kv_eps),
+                                       [wq, wkv], op=op, interpret=interpret, fp8=mx)
+    lead = a.shape[:-1]
+    return (data.reshape(lead + (q_size,)), scale.reshape(lead + (scale.shape[-1],)),
+            *(o.reshape(lead + (o.shape[-1],)) for o in rest))
+
+
 # The op entries (``k3pallas.kernels.entry``), each named after its op.
-ENTRIES = (rmsnorm, fused_q_kv_rmsnorm, mla_q_kv_norm, fused_q_kv_rmsnorm_fp8, mla_q_kv_norm_fp8)
+ENTRIES = (rmsnorm, fused_q_kv_rmsnorm, mla_q_kv_norm, fused_q_kv_rmsnorm_fp8, mla_q_kv_norm_fp8,
+           fused_q_kv_rmsnorm_mx, mla_q_kv_norm_mx)

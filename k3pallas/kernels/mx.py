@@ -1,0 +1,327 @@
+"""MX block-scaled outputs (MXFP8, MXFP4; ``k3pallas.mx``): the tiles, the block epilogue and the
+kernels of the MX ops, one launch each, ``R`` tokens per program.
+
+A row's columns are read as blocks of 32: ``[R, b, 32]`` tiles for MXFP8 and ``[R, b, 16, 2]``
+for MXFP4 (the pair axis: the two elements of a code byte), over power-of-two pieces of the
+block axis (1536 columns: 32 + 16 blocks; the gated kernel: ``[R, h, b, ...]`` per head piece).
+Per block: ``amax``, the e8m0 scale code with integer operations (``mx.scale_code``), the exact
+reciprocal, the codes (integer encoder, or the native e4m3fn cast where ``fp8_cast`` decided it),
+and for MXFP4 the two nibbles of a byte, element ``2j`` low. Codes and scale codes are stored as
+bytes; the entries present them as ``float4_e2m1fn`` / ``float8_e4m3fn`` and
+``float8_e8m0fnu`` arrays (bitcasts). The normalized or gated values never go through memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from k3pallas import fp8 as fp8_lib, mx as mx_lib
+from k3pallas.kernels import common, fp8_cast, launch
+from k3pallas.kernels.gated_fp8 import act_fn as _activation
+
+BLOCK = mx_lib.BLOCK
+
+
+def kernel_params(q: mx_lib.MxParams, *, interpret: bool) -> mx_lib.MxParams:
+    """``q`` with its conversion decided for this kernel (MXFP4: the encoder, see ``fp8_cast``)."""
+    native = fp8_cast.decide(q.dtype, q.cast, interpret=interpret).native
+    return dataclasses.replace(q, native=native)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tiles: index arrays of a block piece
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    load: tuple  # index of the elements, tile shape [*lead, b, 32] or [*lead, b, 16, 2]
+    mask: object  # of the elements (None: all)
+    codes: tuple  # index into the code bytes [..., width / per_byte]
+    codes_mask: object
+    scale: tuple  # index into the scale codes [..., width / 32], shape [*lead, b]
+    scale_mask: object
+    blocks: tuple  # (first block, blocks) of this piece, for weights in block layout
+
+
+def _axis(values, axis, nd):
+    shape = [1] * nd
+    shape[axis] = values.shape[0]
+    return values.reshape(shape)
+
+
+def pieces(lead, lead_masks, n_blocks, per_byte, col0=0):
+    """The block pieces of a row range: ``lead`` 1-D index arrays of the leading tile axes (rows,
+    then heads), ``lead_masks`` their 1-D masks (or None); ``n_blocks`` blocks of 32 starting at
+    column ``col0`` of the input. Code and scale indices count from column 0 of the outputs."""
+    n_lead = len(lead)
+    trail = 2 if per_byte == 1 else 3
+    nd = n_lead + trail
+    for b0, bs in common.pow2_parts(n_blocks):
+        b = b0 + jnp.arange(bs, dtype=jnp.int32)
+        valid = b < n_blocks if b0 + bs > n_blocks else None
+        masks = [m for m in lead_masks if m is not None]
+
+        def lead_index(total):
+            return tuple(_axis(a, i, total) for i, a in enumerate(lead))
+
+        def mask_of(total, with_block):
+            out = None
+            for i, m in enumerate(lead_masks):
+                if m is not None:
+                    out = common.both(out, _axis(m, i, total))
+            if with_block and valid is not None:
+                out = common.both(out, _axis(valid, n_lead, total))
+            return out
+
+        if per_byte == 1:
+            e = _axis(jnp.arange(BLOCK, dtype=jnp.int32), n_lead + 1, nd)
+            col = _axis(b, n_lead, nd) * BLOCK + e
+            code_col, code_nd = col, nd
+        else:
+            k = _axis(jnp.arange(BLOCK // 2, dtype=jnp.int32), n_lead + 1, nd)
+            p = _axis(jnp.arange(2, dtype=jnp.int32), n_lead + 2, nd)
+            col = _axis(b, n_lead, nd) * BLOCK + 2 * k + p
+            code_nd = nd - 1
+            code_col = (_axis(b, n_lead, code_nd) * (BLOCK // 2)
+                        + _axis(jnp.arange(BLOCK // 2, dtype=jnp.int32), n_lead + 1, code_nd))
+        del masks
+        yield Piece(
+            load=lead_index(nd) + (col + col0 if col0 else col,),
+            mask=mask_of(nd, True),
+            codes=lead_index(code_nd) + (code_col,),
+            codes_mask=mask_of(code_nd, True),
+            scale=lead_index(n_lead + 1) + (_axis(b, n_lead, n_lead + 1),),
+            scale_mask=mask_of(n_lead + 1, True),
+            blocks=(b0, bs))
+
+
+def weight_index(piece: Piece, per_byte, col0=0):
+    """Index of a ``[D]`` weight in the block layout of ``piece`` (``[b, 32]`` / ``[b, 16, 2]``)."""
+    b0, bs = piece.blocks
+    b = b0 + jnp.arange(bs, dtype=jnp.int32)
+    if per_byte == 1:
+        return b[:, None] * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)[None, :] + col0
+    k = jnp.arange(BLOCK // 2, dtype=jnp.int32)[None, :, None]
+    p = jnp.arange(2, dtype=jnp.int32)[None, None, :]
+    return b[:, None, None] * BLOCK + 2 * k + p + col0
+
+
+def block_mask(piece: Piece, n_blocks, per_byte):
+    """The weight's mask for a padded last block piece (None otherwise)."""
+    b0, bs = piece.blocks
+    if b0 + bs <= n_blocks:
+        return None
+    b = b0 + jnp.arange(bs, dtype=jnp.int32)
+    return (b < n_blocks)[:, None] if per_byte == 1 else (b < n_blocks)[:, None, None]
+
+
+# ------------------------------------------------------------------------------------------------
+# The block epilogue
+# ------------------------------------------------------------------------------------------------
+
+
+def block_codes(y, q: mx_lib.MxParams):
+    """float32 blocks ``y [..., 32]`` (MXFP8) or ``[..., 16, 2]`` (MXFP4) -> (code bytes
+    ``[..., 32]`` / ``[..., 16]``, e8m0 scale codes ``[...]`` int32)."""
+    fmt = q.fmt
+    trail = 1 if fmt.per_byte == 1 else 2
+    a = jnp.abs(y)
+    amax, total = a, a
+    for _ in range(trail):
+        amax, total = jnp.max(amax, axis=-1), jnp.sum(total, axis=-1)
+    # NaN: the sum keeps it (Triton's max drops it); infinity: the max keeps it.
+    nonfinite = (total != total) | (amax == jnp.inf)
+    code = mx_lib.scale_code(amax, fmt, nonfinite)
+    v = y * mx_lib.inv_scale(code)[(Ellipsis,) + (None,) * trail]
+    if q.native:
+        return fp8_cast.native_codes(v, fmt.dtype), code
+    c = fp8_lib.encode_fp8(v, fmt.dtype)
+    if fmt.per_byte == 2:  # element 2j in the low nibble, 2j + 1 in the high one
+        c = jnp.sum(c << (jnp.arange(2, dtype=jnp.int32) * 4), axis=-1)
+    return c, code
+
+
+def store_blocks(piece: Piece, y, codes_ref, scale_ref, q):
+    c, code = block_codes(y, q)
+    common.store(codes_ref, piece.codes, c, piece.codes_mask)
+    common.store(scale_ref, piece.scale, code, piece.scale_mask)
+
+
+def outputs(lead_shape, width, q: mx_lib.MxParams):
+    """(output structs, poison values): code bytes ``[*lead, width / per_byte]`` and scale codes
+    ``[*lead, width / 32]``. Poison: a NaN code (MXFP8) or 0xFF (MXFP4: -6, -6; the tests compare
+    codes exactly), and the NaN scale 0xFF."""
+    fmt = q.fmt
+    native = q.native and fmt.per_byte == 1
+    codes = jax.ShapeDtypeStruct(tuple(lead_shape) + (width // fmt.per_byte,),
+                                 fmt.dtype if native else jnp.uint8)
+    scale = jax.ShapeDtypeStruct(tuple(lead_shape) + (width // BLOCK,), jnp.uint8)
+    poison = float("nan") if native else (0x7F if fmt.per_byte == 1 else 0xFF)
+    return [codes, scale], [poison, 0xFF]
+
+
+def results(codes, scale, q: mx_lib.MxParams, width):
+    """The kernel's bytes as (elements ``[..., width]``, ``float8_e8m0fnu`` scales)."""
+    return mx_lib.as_elements(codes, q.fmt, width), mx_lib.as_e8m0(scale)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------------
+
+def _rows_kernel(*refs, n_rows, rows, width, n_inputs, q, combine):
+    """Row kernels (``[R, width]`` inputs): ``combine(*float32 tiles)`` per block piece, then MX."""
+    x_refs, (codes_ref, scale_ref) = refs[:n_inputs], refs[n_inputs:]
+    r = jnp.arange(rows, dtype=jnp.int32)
+    in_rows = common.row_mask(n_rows, rows, 1)
+    loaded = [(p, [common.load(ref, p.load, p.mask) for ref in x_refs])
+              for p in pieces([r], [in_rows], width // BLOCK, q.fmt.per_byte)]
+    for p, xs in loaded:
+        store_blocks(p, combine(*[x.astype(jnp.float32) for x in xs]), codes_ref, scale_ref, q)
+
+
+def _gated_kernel(x_ref, g_ref, w_ref, codes_ref, scale_ref, *, n_rows, rows, heads, width, eps,
+                  activation, q):
+    """``rmsnorm(x) * w * act(g)`` per head, then MX: ``[R, h, b, ...]`` tiles per head piece and
+    block piece; the mean square of a head sums over its block pieces."""
+    per_byte, n_blocks = q.fmt.per_byte, width // BLOCK
+    r = jnp.arange(rows, dtype=jnp.int32)
+    in_rows = common.row_mask(n_rows, rows, 1)
+    trail = 2 if per_byte == 1 else 3
+    for h0, hc in common.pow2_parts(heads):
+        h = h0 + jnp.arange(hc, dtype=jnp.int32)
+        h_mask = h < heads if h0 + hc > heads else None
+        ps = list(pieces([r, h], [in_rows, h_mask], n_blocks, per_byte))
+        loaded = [(p, common.load(x_ref, p.load, p.mask), common.load(g_ref, p.load, p.mask),
+                   common.load(w_ref, weight_index(p, per_byte), block_mask(p, n_blocks, per_byte)))
+                  for p in ps]
+        ss = None
+        for _, x, _, _ in loaded:
+            x = x.astype(jnp.float32)
+            s = x * x
+            for _ in range(trail):
+                s = jnp.sum(s, axis=-1)
+            ss = s if ss is None else ss + s
+        inv = common.inv_rms(ss / width, eps)[(Ellipsis,) + (None,) * trail]
+        for p, x, g, w in loaded:
+            y = (x.astype(jnp.float32) * inv * w.astype(jnp.float32)[None, None]
+                 * _activation(g.astype(jnp.float32), activation))
+            store_blocks(p, y, codes_ref, scale_ref, q)
+
+
+def normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, *, in_rows, rows, col0, width,
+                            eps, q):
+    """The first segment of ``kernels.rmsnorm`` as MX: columns ``col0 .. col0 + width`` of
+    ``x_ref`` normalized with ``w_ref`` and quantized by blocks (``in_rows``: ``[R]``)."""
+    per_byte, n_blocks = q.fmt.per_byte, width // BLOCK
+    trail = 2 if per_byte == 1 else 3
+    r = jnp.arange(rows, dtype=jnp.int32)
+    ps = list(pieces([r], [in_rows], n_blocks, per_byte, col0=col0))
+    loaded = [(p, common.load(x_ref, p.load, p.mask),
+               common.load(w_ref, weight_index(p, per_byte), block_mask(p, n_blocks, per_byte)))
+              for p in ps]
+    ss = None
+    for _, x, _ in loaded:
+        x = x.astype(jnp.float32)
+        s = x * x
+        for _ in range(trail):
+            s = jnp.sum(s, axis=-1)
+        ss = s if ss is None else ss + s
+    inv = common.inv_rms(ss / width, eps)[(Ellipsis,) + (None,) * trail]
+    for p, x, w in loaded:
+        store_blocks(p, x.astype(jnp.float32) * inv * w.astype(jnp.float32)[None], codes_ref,
+                     scale_ref, q)
+
+
+def check_blocks(what: str, width: int):
+    if width % BLOCK:
+        raise ValueError(f"MX formats quantize blocks of {BLOCK} elements: {what} ({width}) must be "
+                         f"a multiple of {BLOCK}")
+
+
+def row_elems(width: int, n_inputs: int) -> tuple[int, int]:
+    """(elements a row loads over the inputs, elements of its largest tile row)."""
+    parts = common.pow2_parts(width // BLOCK)
+    return n_inputs * sum(s for _, s in parts) * BLOCK, parts[0][1] * BLOCK
+
+
+def _launch(kernel, *, op, q, row_inputs, shared_inputs, lead_shape, width, row_elems_,
+            interpret, config=None):
+    n_rows = lead_shape[0]
+    q = kernel_params(q, interpret=interpret)
+    if config is None:
+        config = launch.launch_config(op, n_rows, *row_elems_)
+    outs, poison = outputs(lead_shape, width, q)
+    codes, scale = common.row_call(
+        functools.partial(kernel, n_rows=n_rows, rows=config.rows_per_program, q=q),
+        name=f"k3pallas_{op}_{q.format}", n_rows=n_rows, config=config, row_inputs=row_inputs,
+        shared_inputs=shared_inputs, out_shapes=outs, interpret=interpret, out_poison=poison)
+    return results(codes, scale, q, width)
+
+
+def mx_rows(xs, *, op, mx, combine, interpret, config=None):
+    """``xs``: 1 or 2 inputs ``[T, N]`` -> MX of ``combine(*xs)`` (float32): (elements ``[T, N]``,
+    scales ``[T, N / 32]``)."""
+    n_rows, width = xs[0].shape
+    kernel = functools.partial(_rows_kernel, width=width, n_inputs=len(xs), combine=combine)
+    return _launch(kernel, op=op, q=mx, row_inputs=list(xs), shared_inputs=[],
+                   lead_shape=(n_rows,), width=width, row_elems_=row_elems(width, len(xs)),
+                   interpret=interpret, config=config)
+
+
+def gated_rows(x, gate, weight, *, op, eps, activation, mx, interpret, config=None):
+    """``x``, ``gate`` ``[T, H, D]`` -> MX of the gated RMSNorm per head: (elements
+    ``[T, H, D]``, scales ``[T, H, D / 32]``)."""
+    n_rows, heads, width = x.shape
+    kernel = functools.partial(_gated_kernel, heads=heads, width=width, eps=float(eps),
+                               activation=activation)
+    parts = common.pow2_parts(heads)
+    elems = row_elems(width, 2)
+    return _launch(kernel, op=op, q=mx, row_inputs=[x, gate], shared_inputs=[weight],
+                   lead_shape=(n_rows, heads), width=width,
+                   row_elems_=(sum(s for _, s in parts) * elems[0], parts[0][1] * elems[1]),
+                   interpret=interpret, config=config)
+
+
+# ------------------------------------------------------------------------------------------------
+# Entries (k3pallas.kernels.entry): one device's arrays, in the layout of the op's sharding rule
+# ------------------------------------------------------------------------------------------------
+
+
+def _identity(x):
+    return x
+
+
+def _sigmoid_mul(x, g):
+    return x * _activation(g, "sigmoid")
+
+
+def mx_quant(x, *, op, mx, interpret, reduce_axes):
+    """x ``[..., B, 32]`` -> (elements of that shape, scales ``[..., B]``)."""
+    data, scale = mx_rows([common.as_rows(x, 2).reshape(-1, x.shape[-2] * BLOCK)], op=op, mx=mx,
+                          combine=_identity, interpret=interpret)
+    return data.reshape(x.shape), scale.reshape(x.shape[:-1])
+
+
+def sigmoid_mul_mx(x, g, *, op, mx, interpret, reduce_axes):
+    rows = lambda a: common.as_rows(a, 2).reshape(-1, a.shape[-2] * BLOCK)  # noqa: E731
+    data, scale = mx_rows([rows(x), rows(g)], op=op, mx=mx, combine=_sigmoid_mul,
+                          interpret=interpret)
+    return data.reshape(x.shape), scale.reshape(x.shape[:-1])
+
+
+def rmsnorm_gated_mx(x, w, g, *, op, eps, activation, mx, interpret, reduce_axes):
+    """x, g ``[..., H, B, 32]``, w ``[B, 32]`` -> (elements of x's shape, scales ``[..., H, B]``)."""
+    heads, width = x.shape[-3], x.shape[-2] * BLOCK
+    rows = lambda a: common.as_rows(a, 3).reshape(-1, heads, width)  # noqa: E731
+    data, scale = gated_rows(rows(x), rows(g), w.reshape(width), op=op, eps=eps,
+                             activation=activation, mx=mx, interpret=interpret)
+    return data.reshape(x.shape), scale.reshape(x.shape[:-1])
+
+
+ENTRIES = (mx_quant, sigmoid_mul_mx, rmsnorm_gated_mx)
