@@ -37,12 +37,13 @@ from k3pallas.fp8 import (
     default_fp8_dtype,
 )
 from k3pallas.kernels.fp8_cast import decisions as fp8_cast_decisions
-from k3pallas.linear import QuantizedWeight, fp8_linear, quantize_weight_per_channel
+from k3pallas.linear import (QuantizedWeight, fp8_linear, mx_linear, quantize_weight_mx,
+                             quantize_weight_per_channel)
 from k3pallas.platform import current_target
 
 __version__ = "0.1.0"
 
 __all__ = [
-    *_api_all, "quantize_weight_per_channel", "fp8_linear", "QuantizedActivation", "QuantizedWeight", "default_fp8_dtype", "current_target", "fp8_cast_decisions",
+    *_api_all, "quantize_weight_per_channel", "fp8_linear", "quantize_weight_mx", "mx_linear", "QuantizedActivation", "QuantizedWeight", "default_fp8_dtype", "current_target", "fp8_cast_decisions",
     "FP8_E4M3FN_MAX", "FP8_E4M3FNUZ_MAX", "FP8_E4M3FNUZ_MAX_AITER", "FP8_E5M2_MAX", "reference",
 ]

@@ -1,5 +1,6 @@
-"""FP8 linear layers that consume ``QuantizedActivation``: per-channel weight quantization and an
-FP8 x FP8 matmul with the per-token and per-channel scales applied to the float32 result.
+"""Linear layers that consume ``QuantizedActivation``: per-channel FP8 weight quantization and an
+FP8 x FP8 matmul with the per-token and per-channel scales applied to the float32 result; MX
+(MXFP8 / MXFP4) weight quantization and ``mx_linear`` on ``jax.nn.scaled_matmul``.
 
 No Pallas here: the matmul is ``jax.lax.dot_general`` on the fp8 operands with
 ``preferred_element_type=float32``, which XLA's GPU compiler rewrites into a vendor FP8 GEMM
@@ -17,10 +18,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from k3pallas import fp8 as fp8_lib, platform
+from k3pallas import fp8 as fp8_lib, mx as mx_lib, platform, reference
 from k3pallas._checks import FLOAT_DTYPES as _FLOATS
 
-__all__ = ["QuantizedWeight", "quantize_weight_per_channel", "fp8_linear"]
+__all__ = ["QuantizedWeight", "quantize_weight_per_channel", "fp8_linear", "quantize_weight_mx",
+           "mx_linear"]
 
 W_LAYOUTS = ("kn", "nk")
 
@@ -56,8 +58,13 @@ class QuantizedWeight:
                 f"{getattr(self.data, 'dtype', '?')}, layout={self.layout!r})")
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """The ``[K, N]`` weight ``data * scale`` (whatever the stored layout), in ``dtype``."""
+        """The ``[K, N]`` weight ``data * scale`` (whatever the stored layout), in ``dtype``; an MX
+        weight (``scale [N, K / 32]`` e8m0) per block of 32 along K."""
         w = self.data.astype(jnp.float32)
+        if jnp.dtype(self.scale.dtype) == jnp.dtype(jnp.float8_e8m0fnu):  # MX, layout "nk"
+            n, k = w.shape
+            s = self.scale.astype(jnp.float32)[:, :, None]
+            return (w.reshape(n, k // mx_lib.BLOCK, mx_lib.BLOCK) * s).reshape(n, k).T.astype(dtype)
         w = w if self.layout == "kn" else w.T
         return (w * self.scale).astype(dtype)
 
@@ -193,3 +200,82 @@ def fp8_linear(qa, w_fp8, w_scale=None, *, out_dtype=jnp.bfloat16, w_layout=None
         s = scale.reshape(-1, groups).T[:, :, None]  # [G, T, 1]
         acc = jnp.sum(part * s, axis=0).reshape(lead + (n,))
     return (acc * w_scale).astype(out_dtype)
+
+
+def quantize_weight_mx(w, *, out_format="mxfp4"):
+    """MX quantization of a weight ``w [K, N]`` (``x @ w``) along K, for ``mx_linear``.
+
+    Per output channel ``n`` and block of 32 rows of K: jax's MX rule (``k3pallas.mx``), the
+    same as the activations'. Returns ``QuantizedWeight(data [N, K] float4_e2m1fn |
+    float8_e4m3fn, scale [N, K / 32] float8_e8m0fnu, layout "nk")``: the ``rhs`` and
+    ``rhs_scales`` of ``jax.nn.scaled_matmul``, which reads K contiguous.
+    """
+    op = "quantize_weight_mx"
+    if not hasattr(w, "shape") or not hasattr(w, "dtype"):
+        raise TypeError(f"{op}: w must be an array, got {type(w).__name__}")
+    if w.ndim != 2 or 0 in w.shape:
+        raise ValueError(f"{op}: w must be a non-empty [K, N] matrix, got shape {tuple(w.shape)}")
+    if jnp.dtype(w.dtype) not in _FLOATS:
+        raise TypeError(f"{op}: w must be float16, bfloat16 or float32, got {w.dtype}")
+    if out_format not in mx_lib.MX_FORMATS:
+        raise ValueError(f"{op}: out_format must be one of {mx_lib.MX_FORMATS}, got {out_format!r}")
+    k, n = w.shape
+    if k % mx_lib.BLOCK:
+        raise ValueError(f"{op}: K ({k}) must be a multiple of {mx_lib.BLOCK} (one scale per block)")
+    wt = w.astype(jnp.float32).T.reshape(n, k // mx_lib.BLOCK, mx_lib.BLOCK)
+    data, scale = reference.mx_quantize(wt, mx_lib.MxParams(out_format))
+    return QuantizedWeight(data.reshape(n, k), scale, "nk")
+
+
+def mx_linear(qa, qw, *, out_dtype=jnp.bfloat16, impl="auto"):
+    """``dequant(qa) @ dequant(qw)`` for MX operands: ``jax.nn.scaled_matmul`` on a GPU.
+
+    Args:
+      qa: the ``QuantizedActivation`` of an MX op (``out_format="mxfp8"`` / ``"mxfp4"``):
+        ``data [..., K]``, ``scale [..., K / 32]`` float8_e8m0fnu.
+      qw: the ``QuantizedWeight`` of ``quantize_weight_mx`` (``[N, K]``), same element dtype.
+      out_dtype: float16, bfloat16 (default) or float32.
+      impl: "auto" (``scaled_matmul`` on a GPU target, else the reference), "scaled_matmul"
+        or "reference": the dequantized operands' float32 dot (``Precision.HIGHEST``), the
+        same sums (``jax.nn.scaled_matmul`` has no CPU lowering).
+
+    Returns: ``[..., N]`` in ``out_dtype`` (float32 accumulation, one rounding). On gfx950
+    XLA compiles ``scaled_matmul`` to a Triton ``scaled-dot`` on the MX matrix cores
+    (``v_mfma_scale_*``); elsewhere XLA dequantizes and runs a GEMM (bench/results/rocm_check.md).
+    """
+    op = "mx_linear"
+    if not isinstance(qw, QuantizedWeight):
+        raise TypeError(f"{op}: qw must be the QuantizedWeight of quantize_weight_mx, got "
+                        f"{type(qw).__name__}")
+    try:
+        data, scale = qa
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: qa must be a QuantizedActivation (data, scale), got "
+                        f"{type(qa).__name__}") from None
+    e8m0 = jnp.dtype(jnp.float8_e8m0fnu)
+    if jnp.dtype(scale.dtype) != e8m0 or jnp.dtype(qw.scale.dtype) != e8m0:
+        raise TypeError(f"{op}: qa and qw must be MX (float8_e8m0fnu scales; got {scale.dtype} "
+                        f"and {qw.scale.dtype}); per-token FP8 goes to fp8_linear")
+    if jnp.dtype(data.dtype) != jnp.dtype(qw.data.dtype):
+        raise TypeError(f"{op}: qa.data ({data.dtype}) and qw.data ({qw.data.dtype}) must be the "
+                        "same MX element format")
+    n, k = qw.data.shape
+    if data.shape[-1] != k or scale.shape != data.shape[:-1] + (k // mx_lib.BLOCK,):
+        raise ValueError(f"{op}: need qa.data [..., K], qa.scale [..., K / 32] and qw [N, K]; got "
+                         f"{tuple(data.shape)}, {tuple(scale.shape)} and {tuple(qw.data.shape)}")
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in _FLOATS:
+        raise TypeError(f"{op}: out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+    if impl not in ("auto", "scaled_matmul", "reference"):
+        raise ValueError(f"{op}: impl must be 'auto', 'scaled_matmul' or 'reference', got {impl!r}")
+    if impl == "auto":
+        impl = "scaled_matmul" if platform.current_target(data).is_gpu else "reference"
+    lead = data.shape[:-1]
+    if impl == "reference":
+        a = qa.dequantize() if hasattr(qa, "dequantize") else fp8_lib.QuantizedActivation(data, scale).dequantize()
+        out = jnp.dot(a.reshape(-1, k), qw.dequantize(), precision=lax.Precision.HIGHEST,
+                      preferred_element_type=jnp.float32)
+    else:
+        out = jax.nn.scaled_matmul(data.reshape(1, -1, k), qw.data[None], scale.reshape(1, -1, k // mx_lib.BLOCK),
+                                   qw.scale[None], preferred_element_type=jnp.float32)
+    return out.reshape(lead + (n,)).astype(out_dtype)

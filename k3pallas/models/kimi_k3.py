@@ -6,7 +6,10 @@
 * the Kimi Delta Attention output path: attention output and gate ``[T, H, 128]`` ->
   ``rmsnorm_gated_fp8_per_token`` -> FP8 o_proj (``fp8_linear`` with a per-channel FP8 weight)
   -> ``[T, 7168]``; with H = 96 (the whole layer) or 12 (one rank of TP8, whose o_proj output is
-  the rank's partial sum before the all-reduce).
+  the rank's partial sum before the all-reduce);
+* both output paths also as MXFP4 (the MI355X route): ``rmsnorm_gated_quant`` /
+  ``sigmoid_mul_quant`` with ``out_format="mxfp4"`` -> ``mx_linear`` (``jax.nn.scaled_matmul``)
+  with an MXFP4 copy of the o_proj weight (``kda_out_mx`` / ``mla_out_mx``).
 
 Each has a bf16 reference path (slices and jnp norms; ``rmsnorm_gated`` in bf16 and a bf16
 o_proj). ``python -m k3pallas.models.kimi_k3`` runs them and prints the relative error of each
@@ -87,6 +90,15 @@ def init_mla_out(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16, fp8_dtype=None,
     return {"w_o": w_o, "w_o_fp8": w8, "w_o_scale": ws}
 
 
+def mla_out_mx(params: dict, attn, gate, *, out_format="mxfp4", impl: str = "auto",
+               out_dtype=jnp.bfloat16):
+    """As ``mla_out_fp8`` with MX (``out_format``): ``sigmoid_mul_quant`` (one launch) then
+    ``mx_linear`` with the MX copy of the o_proj (``quantize_weight_mx`` of ``params["w_o"]``)."""
+    qa = kp.sigmoid_mul_quant(attn, gate, out_format=out_format, impl=impl)
+    return kp.mx_linear(qa, kp.quantize_weight_mx(params["w_o"], out_format=out_format),
+                        out_dtype=out_dtype)
+
+
 def mla_out_fp8(params: dict, attn, gate, *, impl: str = "auto", out_dtype=jnp.bfloat16,
                 fp8_cast=None):
     """``attn, gate [T, H * 128]`` -> ``[T, hidden]``: Kimi-K3's MLA output gate
@@ -159,6 +171,17 @@ def kda_out_fp8(params: dict, o, gate, *, cfg: Config = KIMI_K3, impl: str = "au
                          w_layout="nk")
 
 
+def kda_out_mx(params: dict, o, gate, *, cfg: Config = KIMI_K3, out_format="mxfp4",
+               impl: str = "auto", out_dtype=jnp.bfloat16):
+    """``o, gate [T, H, 128]`` -> ``[T, hidden]``: the gated norm fused with MX
+    (``rmsnorm_gated_quant``, one launch; a block of 32 never crosses a head), then
+    ``mx_linear`` with the MX copy of the o_proj weight."""
+    qa = kp.rmsnorm_gated_quant(o, params["norm"], gate, cfg.kda_eps, out_format=out_format,
+                                impl=impl)
+    return kp.mx_linear(qa, kp.quantize_weight_mx(params["w_o"], out_format=out_format),
+                        out_dtype=out_dtype)
+
+
 def kda_out_reference(params: dict, o, gate, *, cfg: Config = KIMI_K3, dtype=jnp.bfloat16):
     """The bf16 reference path: jnp gated norm in ``dtype``, then a ``dtype`` o_proj (float32
     accumulation). ``dtype=float32`` (inputs and weight upcast) gives the float32 path."""
@@ -207,9 +230,11 @@ def run(tokens: int = 64, impl: str = "auto", seed: int = 0, cfg: Config = KIMI_
         g = jax.random.normal(k[1], (tokens, n), jnp.float32).astype(bf)
         y8 = jax.jit(lambda p, a, g: mla_out_fp8(p, a, g, impl=impl))(params, a, g)
         y16 = jax.jit(lambda p, a, g: mla_out_reference(p, a, g))(params, a, g)
-        results[f"mla_out_{heads}x{cfg.kda_head_dim}"] = {"fp8_vs_bf16": rel_error(y8, y16)}
+        y4 = jax.jit(lambda p, a, g: mla_out_mx(p, a, g, impl=impl))(params, a, g)
+        results[f"mla_out_{heads}x{cfg.kda_head_dim}"] = {"fp8_vs_bf16": rel_error(y8, y16),
+                                                         "mxfp4_vs_bf16": rel_error(y4, y16)}
         log(f"MLA output gate + FP8 o_proj {heads}x{cfg.kda_head_dim} -> {cfg.hidden}: rel. error "
-            f"FP8 path vs bf16 path {rel_error(y8, y16):.2e}")
+            f"FP8 path vs bf16 path {rel_error(y8, y16):.2e}; MXFP4 path {rel_error(y4, y16):.2e}")
     for i, heads in enumerate(kda_heads):
         c = dataclasses.replace(cfg, kda_heads=heads)
         params = init_kda_out(keys[2 + i], c)
@@ -220,13 +245,16 @@ def run(tokens: int = 64, impl: str = "auto", seed: int = 0, cfg: Config = KIMI_
         y8 = jax.jit(lambda p, o, g: kda_out_fp8(p, o, g, cfg=c, impl=impl))(params, o, g)
         y16 = jax.jit(lambda p, o, g: kda_out_reference(p, o, g, cfg=c))(params, o, g)
         y32 = jax.jit(lambda p, o, g: kda_out_reference(p, o, g, cfg=c, dtype=jnp.float32))(params, o, g)
+        y4 = jax.jit(lambda p, o, g: kda_out_mx(p, o, g, cfg=c, impl=impl))(params, o, g)
         r = {"fp8_vs_bf16": rel_error(y8, y16), "fp8_vs_f32": rel_error(y8, y32),
+             "mxfp4_vs_bf16": rel_error(y4, y16),
              "bf16_vs_f32": rel_error(y16, y32), "seconds": time.perf_counter() - t0,
              "fp8_dtype": str(params["w_o_fp8"].dtype)}
         results[f"kda_out_{heads}x{c.kda_head_dim}"] = r
         log(f"KDA output {heads}x{c.kda_head_dim} -> {c.hidden}  T={tokens} impl={impl} "
             f"({r['fp8_dtype']}): rel. error FP8 path vs bf16 path {r['fp8_vs_bf16']:.2e} "
-            f"(FP8 vs f32 {r['fp8_vs_f32']:.2e}; bf16 vs f32 {r['bf16_vs_f32']:.2e})")
+            f"(FP8 vs f32 {r['fp8_vs_f32']:.2e}; bf16 vs f32 {r['bf16_vs_f32']:.2e}); MXFP4 path "
+            f"vs bf16 path {r['mxfp4_vs_bf16']:.2e}")
     return results
 
 
