@@ -15,7 +15,7 @@ our codes are the codes jax makes of the same float32 values:
 
 * ``scale = 2**ceil(log2(amax / elem_max))`` over the block (float32 division, rounded UP to a
   power of two), at least ``2**-127`` (e8m0 code 0: a zero block, or ``amax <= elem_max *
-  2**-127``), at most ``2**127`` (code 254; no finite float32 block reaches it);
+  2**-127``); no finite float32 block needs more than ``2**126`` (code 253);
 * ``data = round_to_nearest_even(clamp(y / scale, -elem_max, elem_max))``: ``|y / scale| <=
   elem_max`` always holds, nothing saturates;
 * a block holding a NaN or an infinity gets the NaN scale (code 255) and NaN codes where the
@@ -29,9 +29,13 @@ AITER's ``_mxfp4_quant_op`` rounds amax's mantissa up before that floor. Both ca
 half of jax's for the same block; data quantized by them is not what ``scaled_matmul``'s jax
 reference makes.
 
-The kernels compute the scale code with integer operations (``scale_code``), the reciprocal of the
-scale exactly (``inv_scale``), and never divide; the jnp reference (``k3pallas.reference``)
-follows jax's formula literally. Tests show the two equal.
+Arithmetic is IEEE float32, as jax's rule runs on a GPU. XLA's CPU flushes subnormals, which
+changes jax's own result there in two corners: a quotient ``amax / elem_max`` below ``2**-126``
+flushed to zero (code 0 where IEEE gives 1, for amax in ``(elem_max * 2**-127, elem_max *
+2**-126)``), and the division by the subnormal ``2**-127`` (a zero block: NaN codes). The
+kernels and the jnp reference compute the scale code with integer operations (``scale_code``,
+equal to jax's rule on the IEEE quotient: ``tests/test_mx.py``) and multiply by the exact
+reciprocal (``inv_scale``): the same codes on every platform.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import numpy as np
 from jax import lax
 
 __all__ = ["MX_FORMATS", "OUT_FORMATS", "BLOCK", "MxFormat", "MxParams", "mx_format",
-           "resolve_mx_params", "scale_code", "inv_scale", "scale_code_reference",
+           "resolve_mx_params", "scale_code", "inv_scale",
            "check_out_format"]
 
 BLOCK = 32  # elements per e8m0 scale (OCP MX; jax's mxfp8 / mxfp4 configs)
@@ -146,27 +150,9 @@ def scale_code(amax, fmt: MxFormat, nonfinite=None):
 
 def inv_scale(code):
     """``1 / 2**(code - 127)`` exactly, as float32 (NaN for code 255): ``2**(127 - code)`` is
-    a normal float32 for every code 0..254."""
+    a normal float32 for every code 0..253, all that finite data produces (254 gives 0)."""
     inv = lax.bitcast_convert_type((254 - code) << 23, jnp.float32)
     return jnp.where(code == 255, jnp.nan, inv)
-
-
-def scale_code_reference(amax, fmt: MxFormat):
-    """jax's own rule, literally: ``fl(amax / elem_max)`` rounded up to an e8m0 code (as uint8
-    would wrap a NaN, it is left to the caller)."""
-    q = amax.astype(jnp.float32) / jnp.float32(fmt.elem_max)
-    bits = lax.bitcast_convert_type(q, jnp.uint32)
-    exp, mant = bits >> 23, bits & 0x7FFFFF
-    up = (mant > 0) & (exp != 0xFE) & ~((exp == 0) & (mant <= 0x400000))
-    return (exp + up.astype(jnp.uint32)).astype(jnp.int32)
-
-
-def decode_scale(code):
-    """e8m0 codes (any integer dtype) -> float32 ``2**(code - 127)`` (code 0: 2**-127; 255: NaN)."""
-    code = code.astype(jnp.int32)
-    value = jnp.where(code == 0, jnp.float32(2.0**-127),
-                      lax.bitcast_convert_type(code << 23, jnp.float32))
-    return jnp.where(code == 255, jnp.nan, value)
 
 
 def as_e8m0(code):
@@ -188,4 +174,4 @@ def as_elements(codes, fmt: MxFormat, n):
     return codes if codes.dtype == fmt.dtype else lax.bitcast_convert_type(codes, fmt.dtype)
 
 
-__all__ += ["decode_scale", "as_e8m0", "unpack_fp4", "as_elements"]
+__all__ += ["as_e8m0", "unpack_fp4", "as_elements"]

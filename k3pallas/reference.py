@@ -126,18 +126,21 @@ def mx_quantize(y, mx):
     """MX of ``y [..., B, 32]`` (math in float32) with the resolved options ``mx``
     (``k3pallas.mx.MxParams``): ``(elements [..., B, 32], float8_e8m0fnu scales [..., B])``.
 
-    As ``jax._src.cudnn.scaled_matmul_stablehlo.quantize``: ``scale`` = ``amax / elem_max``
-    (float32 division) rounded up to a power of two (e8m0), ``data = clip(y / scale)`` cast
+    As ``jax._src.cudnn.scaled_matmul_stablehlo.quantize`` in IEEE arithmetic: ``scale`` =
+    ``amax / elem_max`` rounded up to a power of two (e8m0), ``data = clip(y / scale)`` cast
     with round-to-nearest-even; a block holding NaN or inf gets the NaN scale (code 255) and
-    NaN codes (MXFP4: 0x8). See ``k3pallas.mx``.
+    NaN codes (MXFP4: 0x8). The scale code by ``mx.scale_code`` (equal to jax's rule on the
+    IEEE quotient) and ``y`` times the exact reciprocal: jax's own division by the subnormal
+    ``2**-127`` is flushed on XLA's CPU (a zero block becomes NaN codes there). See
+    ``k3pallas.mx``.
     """
     fmt = mx.fmt
     y = y.astype(jnp.float32)
     amax = jnp.max(jnp.abs(y), axis=-1)
     nonfinite = ~jnp.all(jnp.isfinite(y), axis=-1)  # explicit: XLA's CPU max can drop NaN
-    code = jnp.where(nonfinite, 255, mx_lib.scale_code_reference(amax, fmt))
-    scale = mx_lib.decode_scale(code)[..., None]
-    data = jnp.clip(y / scale, -fmt.elem_max, fmt.elem_max).astype(fmt.dtype)
+    code = mx_lib.scale_code(amax, fmt, nonfinite)
+    v = y * mx_lib.inv_scale(code)[..., None]
+    data = jnp.clip(v, -fmt.elem_max, fmt.elem_max).astype(fmt.dtype)
     return data, mx_lib.as_e8m0(code)
 
 

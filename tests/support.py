@@ -73,10 +73,15 @@ FP8 = {
 DEFAULT_FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e4m3fnuz": 224.0, "float8_e5m2": 57344.0}
 
 
+# The element formats: FP8 and MXFP4's e2m1 (16 codes).
+ELEMENTS = {**FP8, "float4_e2m1fn": (ml_dtypes.float4_e2m1fn, 6.0)}
+
+
 def fp8_grid(name):
-    """Sorted distinct finite values of the format (with 0 once)."""
-    dt = FP8[name][0]
-    vals = np.arange(256, dtype=np.uint8).view(dt).astype(np.float64)
+    """Sorted distinct finite values of the format (with 0 once); also ``float4_e2m1fn``."""
+    dt = ELEMENTS[name][0]
+    n_codes = 16 if name == "float4_e2m1fn" else 256
+    vals = np.arange(n_codes, dtype=np.uint8).view(dt).astype(np.float64)
     return np.unique(vals[np.isfinite(vals)])
 
 

@@ -58,6 +58,9 @@ def native_unavailable(target: platform.Target, dtype) -> str | None:
     """None if the target's lowering has a native conversion to ``dtype``, else the reason."""
     dtype = jnp.dtype(dtype)
     fn, fnuz = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e4m3fnuz)
+    if dtype == jnp.dtype(jnp.float4_e2m1fn):
+        return ("no native float4 conversion is used (NVIDIA sm_90 has none; gfx950's "
+                "v_cvt_scalef32_pk_fp4_f32 would need a gfx950 device for the self-check)")
     if target.backend == "cuda":
         if dtype == fnuz:
             return "NVIDIA GPUs have no e4m3fnuz conversion"

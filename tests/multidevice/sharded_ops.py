@@ -243,3 +243,45 @@ def test_kda_output_tensor_parallel(mesh):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
     text = compiled_text(path, ps, os_, gs)
     assert "all-gather" not in text and "all-reduce" in text
+
+
+@pytest.mark.parametrize("impl,fmt", [("reference", "mxfp8"), ("reference", "mxfp4"),
+                                      ("interpret", "mxfp4")])
+def test_mx_ops_sharded(mesh, impl, fmt):
+    """The MX ops: blocks of 32 never cross a head or a shard, so heads (the gated op) and
+    columns in whole blocks (quant, sigmoid-mul) split with no communication at all; the joint
+    norms split over tokens. Each equal to the unsharded op, inside shard_map too. The kernels
+    in interpret mode: the gated op only (XLA's CPU compiler takes ~18 s for each sharded
+    interpret-mode MX program; the ROCm gate compiles every sharded MX kernel for real)."""
+    exact = impl != "reference"
+    x, g, w = rand(30, (16, 8, 64), scale=3), rand(31, (16, 8, 64)), rand(32, (64,), jnp.float32)
+    x = x.at[2, 5, 40].set(jnp.nan)  # a NaN in head 5 of token 2: that head's 2 blocks NaN, no other
+    fn = lambda x, w, g: kp.rmsnorm_gated_quant(x, w, g, out_format=fmt, impl=impl)  # noqa: E731
+    qa = check(mesh, fn, (x, w, g), [("dp", "tp"), (), ("dp", "tp")], expect_all_reduce=False,
+               what=f"{fmt} gated, heads over tp", exact=exact)
+    scale = np.asarray(qa.scale.astype(jnp.float32))
+    assert qa.scale.shape == (16, 8 * 64 // 32) and np.isnan(scale).sum() == 2
+    assert np.isnan(scale[2, 10:12]).all()
+    if impl == "interpret":
+        return
+    a, b = rand(33, (16, 512), scale=2), rand(34, (16, 512))
+    check(mesh, lambda a, b: kp.sigmoid_mul_quant(a, b, out_format=fmt, impl=impl), (a, b),
+          [("dp", "tp"), ("dp", "tp")], expect_all_reduce=False, what=f"{fmt} sigmoid-mul",
+          exact=exact)
+    check(mesh, lambda a: kp.quantize_activation(a, out_format=fmt, impl=impl), (a,),
+          [(None, ("dp", "tp"))], expect_all_reduce=False, what=f"{fmt} quant, columns",
+          exact=exact)
+    q, kv, wq, wkv = rand(35, (64, 96)), rand(36, (64, 32)), rand(37, (96,)), rand(38, (32,))
+    check(mesh, lambda q, kv, wq, wkv: kp.fused_q_kv_rmsnorm_quant(q, kv, wq, wkv, out_format=fmt,
+                                                                   impl=impl),
+          (q, kv, wq, wkv), [TOKENS, TOKENS, (), ()], expect_all_reduce=False,
+          what=f"{fmt} joint norm", exact=exact)
+    packed = rand(39, (64, 96 + 32 + 8))
+    check(mesh, lambda p, wq, wkv: kp.mla_q_kv_norm_quant(p, wq, wkv, q_size=96, kv_size=32,
+                                                          out_format=fmt, impl=impl),
+          (packed, wq, wkv), [TOKENS, (), ()], expect_all_reduce=False,
+          what=f"{fmt} packed norm", exact=exact)
+    smap = functools.partial(jax.shard_map, mesh=mesh)
+    got = jax.jit(smap(fn, in_specs=(P("dp", "tp"), P(), P("dp", "tp")),
+                       out_specs=P("dp", "tp")))(x, w, g)
+    same(got, fn(x, w, g), f"{fmt} gated in shard_map", exact=exact)
