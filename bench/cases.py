@@ -32,6 +32,7 @@ class BenchOp:
     sizes: Mapping[str, dict]
     example: Callable  # (tokens, dtype, **size) -> (tuple of ShapeDtypeStruct, options dict)
     unfused: Callable | None = None  # (impl, *arrays, **options) -> the op's results
+    public: str | None = None  # the public function, where it is not named after the op (MX)
 
     @property
     def name(self) -> str:
@@ -42,13 +43,17 @@ class BenchOp:
         return self.op.fp8
 
     @property
+    def mx(self) -> bool:
+        return self.op.mx
+
+    @property
     def rule(self):
         return self.op.rule
 
     @property
     def fn(self):
         """The public function."""
-        return getattr(kp, self.op.name)
+        return getattr(kp, self.public or self.op.name)
 
     @property
     def configs(self) -> tuple[str, ...]:
@@ -59,7 +64,7 @@ class BenchOp:
         """Bytes of its inputs and outputs at ``sizes[size]`` (each read or written once)."""
         structs, options = self.example(tokens, jnp.dtype(dtype), **self.sizes[size])
         outs = jax.eval_shape(lambda *a: self.fn(*a, impl="reference", **options), *structs)
-        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+        return sum(math.prod(a.shape) * jax.dtypes.itemsize_bits(a.dtype) // 8  # fp4: half a byte
                    for a in list(structs) + jax.tree_util.tree_leaves(outs))
 
 
@@ -128,6 +133,60 @@ _CASES = [
             unfused=lambda impl, a, wq, wkv, **o: _q_fp8_unfused(
                 impl, kp.mla_q_kv_norm(a, wq, wkv, impl=impl, q_size=o.pop("q_size"),
                                        kv_size=o.pop("kv_size")), o)),
+]
+
+
+# The MX variants (out_format "mxfp4" / "mxfp8"): the Kimi-K3 shapes, MXFP4 first (the MI355X o_proj
+# route). Unfused: the op's bf16 result, then jax's own MX quantization compiled by XLA.
+def _mx_sizes(base: dict, formats=("mxfp4",), extra=()) -> dict:
+    sizes = {f"{name}-{fmt}": dict(size, fmt=fmt) for fmt in formats for name, size in base.items()}
+    sizes.update({f"{name}-{fmt}": dict(base[name], fmt=fmt) for name, fmt in extra})
+    return sizes
+
+
+def _mx_unfused(y, fmt):
+    from k3pallas import _compat
+
+    return _compat.jax_mx_quantize(y, fmt)
+
+
+def _with_format(example):
+    def mx_example(t, dt, fmt, **size):
+        structs, options = example(t, dt, **size)
+        return structs, dict(options, out_format=fmt)
+    return mx_example
+
+
+_KDA_MX = {k: _KDA[k] for k in ("kimi-k3-kda-tp8", "kimi-k3-kda")}
+_CASES += [
+    BenchOp(ops.RMSNORM_GATED_MX, public="rmsnorm_gated_quant",
+            sizes={**_mx_sizes(_KDA_MX, extra=[("kimi-k3-kda-tp8", "mxfp8")]),
+                   "test": dict(heads=3, dim=64, fmt="mxfp4")},
+            example=_with_format(_gated_example),
+            unfused=lambda impl, x, w, g, out_format: _mx_unfused(
+                kp.rmsnorm_gated(x, w, g, impl=impl).reshape(x.shape[:-2] + (-1,)), out_format)),
+    BenchOp(ops.MX_QUANT, public="quantize_activation",
+            sizes={**_mx_sizes({"deepseek-v3-mla-q": dict(n=1536)}, ("mxfp4", "mxfp8")),
+                   "test": dict(n=96, fmt="mxfp8")},
+            example=_with_format(lambda t, dt, n: ((S((t, n), dt),), {})),
+            unfused=lambda impl, x, out_format: _mx_unfused(x, out_format)),
+    BenchOp(ops.SIGMOID_MUL_MX, public="sigmoid_mul_quant",
+            sizes={**_mx_sizes(_MLA_OUT), "test": dict(n=96, fmt="mxfp4")},
+            example=_with_format(lambda t, dt, n: ((S((t, n), dt), S((t, n), dt)), {})),
+            unfused=lambda impl, x, g, out_format: _mx_unfused(
+                (x.astype(jnp.float32) * jax.nn.sigmoid(g.astype(jnp.float32))).astype(x.dtype),
+                out_format)),
+    BenchOp(ops.FUSED_Q_KV_RMSNORM_MX, public="fused_q_kv_rmsnorm_quant",
+            sizes={**_mx_sizes(_MLA), "test": dict(dq=64, dkv=16, rope=3, fmt="mxfp8")},
+            example=_with_format(_qkv_example),
+            unfused=lambda impl, q, kv, wq, wkv, out_format: (lambda outs: (
+                _mx_unfused(outs[0], out_format), outs[1]))(kp.fused_q_kv_rmsnorm(q, kv, wq, wkv, impl=impl))),
+    BenchOp(ops.MLA_Q_KV_NORM_MX, public="mla_q_kv_norm_quant",
+            sizes={**_mx_sizes(_MLA), "test": dict(dq=64, dkv=16, rope=3, fmt="mxfp4")},
+            example=_with_format(_packed_example),
+            unfused=lambda impl, a, wq, wkv, q_size, kv_size, out_format: (lambda outs: (
+                _mx_unfused(outs[0], out_format), *outs[1:]))(
+                    kp.mla_q_kv_norm(a, wq, wkv, impl=impl, q_size=q_size, kv_size=kv_size))),
 ]
 
 OPS: dict[str, BenchOp] = {case.name: case for case in _CASES}

@@ -76,7 +76,8 @@ def _op_case(spec: ops.BenchOp, config_name: str, tokens: int, dt, impl: str):
     def make(seed):
         return _fill(jax.random.PRNGKey(seed), structs)
     variants = {"k3pallas": j(lambda *a: spec.fn(*a, impl=impl, **options))}
-    if spec.fp8 and impl == "pallas":  # interpret mode's "auto" is the encoder already
+    if (spec.fp8 or options.get("out_format") == "mxfp8") and impl == "pallas":  # interpret
+        # mode's "auto" is the encoder already; MXFP4 has only the encoder
         variants["encoder"] = j(lambda *a: spec.fn(*a, impl=impl, fp8_cast="encoder", **options))
     if spec.unfused is not None:
         variants["unfused"] = j(lambda *a: spec.unfused(impl, *a, **options))

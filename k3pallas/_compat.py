@@ -9,6 +9,7 @@ import contextvars
 import inspect
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl  # noqa: F401  (re-exported for the kernel modules)
 from jax.experimental.pallas import triton as plgpu
 
@@ -259,3 +260,18 @@ def explicit_axes(a) -> tuple:
             if axis is not None and types.get(axis) == jax.sharding.AxisType.Explicit:
                 names.append(axis)
     return tuple(names)
+
+
+def jax_mx_quantize(y, out_format):
+    """jax's own MX quantization (``jax.nn.scaled_dot_general``'s, private in every jax we
+    support: ``jax._src.cudnn.scaled_matmul_stablehlo.quantize``, present in 0.10.2 and 0.12.0),
+    for the benchmark's unfused MX variant and the tests' parity checks: ``(elements [..., N],
+    float8_e8m0fnu scales [..., N / 32])``."""
+    from jax._src.cudnn.scaled_matmul_stablehlo import BlockScaleConfig, quantize
+
+    from k3pallas import mx
+
+    cfg = BlockScaleConfig(mode="mxfp8", block_size=mx.BLOCK,
+                           data_type=mx.mx_format(out_format).dtype,
+                           scale_type=jnp.float8_e8m0fnu, global_scale=None, infer_only=False)
+    return quantize(y.astype(jnp.float32), cfg)

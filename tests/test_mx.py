@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import k3pallas as kp
-from k3pallas import fp8 as fp8_lib, mx as mx_lib, reference, testing
+from k3pallas import _compat, fp8 as fp8_lib, mx as mx_lib, reference, testing
 
 from support import check_codes, f64, fp8_grid
 
@@ -79,11 +79,7 @@ def codes_bytes(a):
 
 def jax_quantize(y, fmt):
     """jax's own MX quantization (what jax.nn.scaled_dot_general does to its operands)."""
-    from jax._src.cudnn.scaled_matmul_stablehlo import BlockScaleConfig, quantize
-
-    cfg = BlockScaleConfig(mode="mxfp8", block_size=32, data_type=mx_lib.mx_format(fmt).dtype,
-                           scale_type=jnp.float8_e8m0fnu, global_scale=None, infer_only=False)
-    return quantize(jnp.asarray(y, jnp.float32), cfg)
+    return _compat.jax_mx_quantize(jnp.asarray(y), fmt)
 
 
 def rand(rng, shape, dtype=jnp.bfloat16, spread=8):
@@ -414,3 +410,66 @@ def test_mx_ops_lower_in_one_launch(kind):
         assert len(launches) == 1 and "_mx" in launches[0]["name"], launches
         warp = 32 if kind.startswith("NVIDIA") else 64
         assert launches[0]["num_warps"] * warp <= 1024, launches
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiled on a GPU (marked ``gpu``: skipped without one)
+# ------------------------------------------------------------------------------------------------
+
+
+def _mx_pair_close(a, b, what):
+    """Two MX results of the same op from float32 ``y`` computed two ways (the compiled kernel's
+    sigmoid / sum order vs XLA's): scale codes equal but for < 0.1 % one step apart (amax across
+    a power of two), codes equal but for < 0.5 % one step apart (rounding ties)."""
+    sa, sb = codes_bytes(a.scale).astype(int), codes_bytes(b.scale).astype(int)
+    ds = sa != sb
+    assert ds.mean() < 1e-3 and np.all(np.abs(sa - sb)[ds] == 1), f"{what}: scales differ"
+    same_blocks = np.repeat(~ds, 32, axis=-1).reshape(a.data.shape)
+    va = np.asarray(a.data.astype(jnp.float32))[same_blocks]
+    vb = np.asarray(b.data.astype(jnp.float32))[same_blocks]
+    d = va != vb
+    assert d.mean() < 5e-3, f"{what}: {d.mean():.2%} codes differ"
+    grid = fp8_grid("float8_e4m3fn" if a.format == "mxfp8" else "float4_e2m1fn")
+    ia, ib = np.searchsorted(grid, va[d]), np.searchsorted(grid, vb[d])
+    assert np.all(np.abs(ia - ib) <= 1), f"{what}: codes more than one step apart"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("t", [1, 64, 4096])
+def test_mx_ops_compiled(rng, fmt, t):
+    """Compiled kernels, NaN-poisoned outputs: the standalone quant bit-exact with jax's own
+    quantization; every op against the float64 oracle on its float32 inputs and against its jnp
+    reference; two runs identical."""
+    x = rand(rng, (t, 2048), spread=20)
+    qa = jax.jit(lambda a: kp.quantize_activation(a, out_format=fmt, impl="pallas"))(x)
+    d, s = jax_quantize(x.astype(jnp.float32), fmt)
+    assert np.array_equal(codes_bytes(qa.data), codes_bytes(d))
+    assert np.array_equal(codes_bytes(qa.scale), codes_bytes(s))
+    for name, fn, y64, _ in op_cases(rng):
+        with testing.poisoned_outputs():
+            poisoned = jax.jit(lambda: fn("pallas", fmt))()
+        out = jax.jit(lambda: fn("pallas", fmt))()
+        ref = jax.jit(lambda: fn("reference", fmt))()
+        assert np.array_equal(codes_bytes(out[0].data), codes_bytes(poisoned[0].data)), name
+        assert np.array_equal(codes_bytes(out[0].scale), codes_bytes(poisoned[0].scale)), name
+        check_mx(out[0], y64, fmt, what=f"{name} compiled {fmt}")
+        _mx_pair_close(out[0], ref[0], f"{name} compiled vs reference")
+
+
+@pytest.mark.gpu
+def test_scaled_matmul_on_our_mxfp4_equals_it_on_jax_s_quantization(rng):
+    """``jax.nn.scaled_matmul`` (``mx_linear``) on our compiled MXFP4 output equals it on jax's
+    own quantization of the same float32 values (the gated op: jax quantizes the reference's
+    float32 y; our codes from the compiled kernel may differ at ties, so the standalone quant of
+    that y is the exact check, the gated op the close one)."""
+    w = jnp.asarray(rng.standard_normal((1536, 512)) * 0.03, jnp.bfloat16)
+    qw = kp.quantize_weight_mx(w, out_format="mxfp4")
+    y = rand(rng, (64, 1536), jnp.float32, spread=4)
+    ours = kp.quantize_activation(y, out_format="mxfp4", impl="pallas")
+    theirs = kp.QuantizedActivation(*jax_quantize(y, "mxfp4"))
+    mm = jax.jit(lambda qa: kp.mx_linear(qa, qw, out_dtype=jnp.float32, impl="scaled_matmul"))
+    a, b = np.asarray(mm(ours)), np.asarray(mm(theirs))
+    assert np.array_equal(a, b)
+    ref = f64(theirs.dequantize()) @ f64(qw.dequantize())
+    np.testing.assert_allclose(a, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())

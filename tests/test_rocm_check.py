@@ -184,7 +184,10 @@ def test_gate_cases():
     cases = rocm_check.cases((1, 4096), None)
     fp8 = [c for c in cases if c["op"] in FP8_OPS]
     assert fp8 and {c["fp8_cast"] for c in fp8} == {"encoder", "native"}
-    assert all("fp8_cast" not in c for c in cases if c["op"] not in FP8_OPS)
+    mxfp8 = [c for c in cases if op_table.OPS[c["op"]].mx and c["config"].endswith("-mxfp8")]
+    assert mxfp8 and {c["fp8_cast"] for c in mxfp8} == {"encoder", "native"}
+    assert all(c.get("archs") == ["gfx950"] for c in mxfp8 if c["fp8_cast"] == "native")
+    assert all("fp8_cast" not in c for c in cases if c["op"] not in FP8_OPS and c not in mxfp8)
     assert rocm_check.BROKEN not in cases
     ops = {c["op"] for c in cases}
     assert ops == set(op_table.OPS)  # every op of the table, with no list of its own

@@ -56,13 +56,15 @@ FP8_CVT = re.compile(r"\b(v_cvt\w*(fp8|bf8)\w*)")  # the FP8 conversion instruct
 FP8_CASTS = ("encoder", "native")
 BROKEN = {"op": "rmsnorm", "config": "deepseek-v3-mla", "tokens": 4096, "launch": [64, 1, 1],
           "broken": True}
-PROGRAMS = ("mla_front", "kda_out_fp8", "kda_out_fp8_tp8")
+PROGRAMS = ("mla_front", "kda_out_fp8", "kda_out_fp8_tp8", "kda_out_mxfp4_tp8", "mla_out_mxfp4_tp8")
 PROGRAM_TOKENS = (64, 4096)
 
 
 def cases(tokens, ops, casts=FP8_CASTS) -> list[dict]:
     """Every (op, config, T[, fp8 cast]) the gate compiles: each op of the op table
-    (``k3pallas.ops``) on its model configs; an FP8 op with each conversion path."""
+    (``k3pallas.ops``) on its model configs; an FP8 op with each conversion path; an MXFP8 op
+    too, its native e4m3fn conversion on gfx950 only (gfx942 converts natively to e4m3fnuz only,
+    so there MXFP8 is the encoder's); MXFP4 has the encoder only."""
     from bench import cases as op_table
 
     out = []
@@ -70,10 +72,12 @@ def cases(tokens, ops, casts=FP8_CASTS) -> list[dict]:
         if ops and name not in ops:
             continue
         for cfg in op.configs:
+            mxfp8 = op.mx and op.sizes[cfg].get("fmt") == "mxfp8"
             for t in tokens:
-                for cast in (casts if op.fp8 else (None,)):
+                for cast in (casts if op.fp8 or mxfp8 else (None,)):
                     out.append({"op": name, "config": cfg, "tokens": t,
-                                **({"fp8_cast": cast} if cast else {})})
+                                **({"fp8_cast": cast} if cast else {}),
+                                **({"archs": ["gfx950"]} if mxfp8 and cast == "native" else {})})
     return out
 
 
@@ -111,6 +115,16 @@ def program_fn(name, tokens, mesh):
 
     key = jax.random.PRNGKey(0)  # eagerly, on the host: the topology's devices cannot run it
     bf16 = jnp.bfloat16
+    if name in ("kda_out_mxfp4_tp8", "mla_out_mxfp4_tp8"):  # our MX kernel -> jax.nn.scaled_matmul
+        cfg = kimi_k3.KIMI_K3_TP8
+        init = kimi_k3.init_kda_out if name.startswith("kda") else kimi_k3.init_mla_out
+        with jax.set_mesh(mesh):
+            params = jax.eval_shape(lambda: init(key, cfg))
+        if name.startswith("kda"):
+            hd = jax.ShapeDtypeStruct((tokens, cfg.kda_heads, cfg.kda_head_dim), bf16)
+            return (lambda p, o, g: kimi_k3.kda_out_mx(p, o, g, cfg=cfg, impl="pallas"), [params, hd, hd])
+        cols = jax.ShapeDtypeStruct((tokens, cfg.kda_heads * cfg.kda_head_dim), bf16)
+        return (lambda p, a, g: kimi_k3.mla_out_mx(p, a, g, impl="pallas"), [params, cols, cols])
     if name == "mla_front":
         cfg = kimi_k3.KIMI_K3
         with jax.set_mesh(mesh):
@@ -140,7 +154,8 @@ def _sharded_config(name, op) -> str:
 
     return {table.RMSNORM_GATED.name: "kimi-linear-kda",
             table.RMSNORM_GATED_FP8_PER_TOKEN.name: "kimi-k3-kda",
-            table.SIGMOID_MUL_FP8_PER_TOKEN.name: "kimi-k3-mla-out"}.get(name, op.configs[0])
+            table.SIGMOID_MUL_FP8_PER_TOKEN.name: "kimi-k3-mla-out",
+            table.RMSNORM_GATED_MX.name: "kimi-k3-kda-mxfp4"}.get(name, op.configs[0])
 
 
 def _head_sharded(name) -> bool:
@@ -149,7 +164,8 @@ def _head_sharded(name) -> bool:
     from k3pallas import ops as table
 
     return name in (table.RMSNORM_GATED.name, table.RMSNORM_GATED_FP8_PER_TOKEN.name,
-                    table.PER_TOKEN_FP8_QUANT.name, table.SIGMOID_MUL_FP8_PER_TOKEN.name)
+                    table.PER_TOKEN_FP8_QUANT.name, table.SIGMOID_MUL_FP8_PER_TOKEN.name,
+                    table.RMSNORM_GATED_MX.name, table.MX_QUANT.name, table.SIGMOID_MUL_MX.name)
 
 
 SHARDED_PROGRAMS = ("kda_out_fp8_tp8_named", "mla_out_fp8_tp8_shard_map")
@@ -199,7 +215,7 @@ def sharded_fn(case, mesh):
             else:
                 p = jax.eval_shape(lambda: kimi_k3.init_mla_out(key, cfg))
         specs = {"w_o": P("x", None), "w_o_fp8": P(None, "x")}  # row-parallel o_proj (K split)
-        params = {k: on(v, specs.get(k, P())) for k, v in p.items()}
+        params = {k: jax.tree.map(lambda a, s=specs.get(k, P()): on(a, s), v) for k, v in p.items()}
         if case["op"].startswith("kda"):  # jit with NamedSharding: heads over the 8 devices
             hd = on(jax.ShapeDtypeStruct((t, cfg.kda_heads, cfg.kda_head_dim), bf16), P(None, "x", None))
             return (lambda p, o, g: kimi_k3.kda_out_fp8(p, o, g, cfg=cfg, impl="pallas", fp8_cast=cast),
@@ -441,17 +457,22 @@ def markdown(results, meta, programs=(), other=None) -> str:
     if programs:
         lines += ["", "## Whole programs: the Kimi-K3 blocks as XLA's ROCm backend compiles them", "",
                   "Deviceless there is no autotuning: XLA takes its default choice for the GEMMs "
-                  "(on a MI300X / MI355X with a device it may autotune to another).", "",
-                  "| arch | program | T | kernel launches (ours **bold**) | custom calls | the GEMMs become |",
-                  "|---|---|---|---|---|---|"]
+                  "(on a MI300X / MI355X with a device it may autotune to another). "
+                  "`*_mxfp4_tp8`: one TP8 rank's KDA / MLA output, our MXFP4 kernel feeding "
+                  "`jax.nn.scaled_matmul` (`mx_linear`) with an MXFP4 weight; gated: exactly our "
+                  "launch and one GEMM (no copy or unpack between), on gfx950 with MX matrix "
+                  "instructions (`v_mfma_scale_*`).", "",
+                  "| arch | program | T | kernel launches (ours **bold**) | custom calls | the GEMMs become | gate |",
+                  "|---|---|---|---|---|---|---|"]
         for pr in programs:
             if "error" in pr:
-                lines.append(f"| {pr['arch']} | {pr['program']} | {pr['tokens']} | FAIL: {pr['error'][:100]} | | |")
+                lines.append(f"| {pr['arch']} | {pr['program']} | {pr['tokens']} | FAIL: {pr['error'][:100]} | | | FAIL |")
                 continue
             ks = ", ".join((f"**{k['kernel']}**" if k["ours"] else k["kernel"]) for k in pr["launches"])
             cc = ", ".join(sorted({c["target"] for c in pr["custom_calls"]})) or "-"
+            bad = program_problems(pr)
             lines.append(f"| {pr['arch']} | {pr['program']} | {pr['tokens']} | {ks} | {cc} | "
-                         f"{gemm_summary(pr)} |")
+                         f"{gemm_summary(pr)} | {'; '.join(bad) if bad else 'ok'} |")
     return "\n".join(lines)
 
 
@@ -495,13 +516,40 @@ def sharded_markdown(rows, gemm_off, programs) -> str:
     return "\n".join(lines)
 
 
+MX_PROGRAMS = ("kda_out_mxfp4_tp8", "mla_out_mxfp4_tp8")
+
+
+def program_problems(pr) -> list[str]:
+    """A whole program's failures: a compile error; for an MX program (our MXFP4 kernel feeding
+    ``jax.nn.scaled_matmul``), any launch besides ours and the one GEMM (a copy or unpack between
+    them), and on gfx950 a GEMM without MX matrix instructions (``v_mfma_scale_*``)."""
+    if "error" in pr:
+        return [pr["error"]]
+    if pr["program"] not in MX_PROGRAMS:
+        return []
+    others = [k for k in pr["launches"] if not k["ours"]]
+    out = []
+    if len(others) != 1 or len(pr["launches"]) != 2:
+        out.append(f"launches {[k['kernel'] for k in pr['launches']]}: expected ours and one GEMM")
+    if pr["arch"] == "gfx950":
+        mfma = [m for k in others for m in (k.get("mfma") or [])]
+        known = any(k.get("mfma") is not None for k in others)
+        if known and not any(m.startswith("v_mfma_scale") for m in mfma):
+            out.append(f"no MX matrix instruction (v_mfma_scale_*) in the GEMM: {mfma}")
+    return out
+
+
 def gemm_summary(pr) -> str:
     """What XLA made of the program's GEMMs: vendor-library calls, or its own kernels with their
     matrix-core (MFMA) instructions, FMA count and FP8 conversions."""
     blas = sorted({c["target"] for c in pr["custom_calls"] if "blas" in c["target"].lower()})
     parts = [f"library call {', '.join(blas)}"] if blas else []
     for k in pr["launches"]:
-        if k["ours"] or not ("gemm" in k["kernel"] or "dot" in k["kernel"]):
+        if k["ours"] or not ("gemm" in k["kernel"] or "dot" in k["kernel"] or k.get("mfma")
+                             or pr["program"] in MX_PROGRAMS):
+            continue
+        if k.get("mfma") is None and "fma" not in k:
+            parts.append(f"{k['kernel']}: (machine code as compiled before, not re-read)")
             continue
         mm = ", ".join(k.get("mfma") or []) or (
             f"no MFMA ({k.get('fma', '?')} FMA, {k.get('dot', '?')} dot-product instructions)")
@@ -672,10 +720,10 @@ def main(argv=None):
     for r, ps in failures:
         print(f"GATE FAIL {r['arch']} {r.get('sharded', '')} {r['op']} {r['config']} "
               f"T={r.get('tokens')} cast={r.get('fp8_cast')}: {'; '.join(ps)}", file=sys.stderr)
-    bad_programs = [pr for pr in programs if "error" in pr]
+    bad_programs = [pr for pr in programs if program_problems(pr)]
     for pr in bad_programs:
-        print(f"GATE FAIL program {pr['arch']} {pr['program']} T={pr['tokens']}: {pr['error']}",
-              file=sys.stderr)
+        print(f"GATE FAIL program {pr['arch']} {pr['program']} T={pr['tokens']}: "
+              f"{'; '.join(program_problems(pr))}", file=sys.stderr)
     print(f"rocm_check: {len(results)} kernels, {len(programs)} programs, {len(shard_rows)} kernels "
           f"in sharded programs, {len(failures)} kernel failures, {len(bad_programs)} program "
           f"failures, {meta['seconds']} s", file=sys.stderr)

@@ -87,16 +87,20 @@ def init_mla_out(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16, fp8_dtype=None,
     heads = cfg.kda_heads if heads is None else heads
     w_o = _dense(key, heads * cfg.kda_head_dim, cfg.hidden, dtype)
     w8, ws = kp.quantize_weight_per_channel(w_o, fp8_dtype=fp8_dtype, w_layout="nk")
-    return {"w_o": w_o, "w_o_fp8": w8, "w_o_scale": ws}
+    return {"w_o": w_o, "w_o_fp8": w8, "w_o_scale": ws,
+            "w_o_mx": kp.quantize_weight_mx(w_o, out_format="mxfp4")}
 
 
-def mla_out_mx(params: dict, attn, gate, *, out_format="mxfp4", impl: str = "auto",
-               out_dtype=jnp.bfloat16):
-    """As ``mla_out_fp8`` with MX (``out_format``): ``sigmoid_mul_quant`` (one launch) then
-    ``mx_linear`` with the MX copy of the o_proj (``quantize_weight_mx`` of ``params["w_o"]``)."""
-    qa = kp.sigmoid_mul_quant(attn, gate, out_format=out_format, impl=impl)
-    return kp.mx_linear(qa, kp.quantize_weight_mx(params["w_o"], out_format=out_format),
-                        out_dtype=out_dtype)
+def mla_out_mx(params: dict, attn, gate, *, impl: str = "auto", out_dtype=jnp.bfloat16):
+    """As ``mla_out_fp8`` with MX: ``sigmoid_mul_quant`` (one launch) in the format of
+    ``params["w_o_mx"]`` (MXFP4 from ``init_mla_out``), then ``mx_linear``."""
+    w = params["w_o_mx"]
+    qa = kp.sigmoid_mul_quant(attn, gate, out_format=_mx_format(w), impl=impl)
+    return kp.mx_linear(qa, w, out_dtype=out_dtype)
+
+
+def _mx_format(w: kp.QuantizedWeight) -> str:
+    return "mxfp4" if w.data.dtype == jnp.float4_e2m1fn else "mxfp8"
 
 
 def mla_out_fp8(params: dict, attn, gate, *, impl: str = "auto", out_dtype=jnp.bfloat16,
@@ -151,6 +155,7 @@ def init_kda_out(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16, fp8_dtype=None)
     return {
         "norm": (1 + 0.1 * jax.random.normal(k[0], (cfg.kda_head_dim,))).astype(jnp.float32),
         "w_o": w_o, "w_o_fp8": w_o_fp8, "w_o_scale": w_o_scale,
+        "w_o_mx": kp.quantize_weight_mx(w_o, out_format="mxfp4"),  # the MI355X o_proj route
     }
 
 
@@ -171,15 +176,15 @@ def kda_out_fp8(params: dict, o, gate, *, cfg: Config = KIMI_K3, impl: str = "au
                          w_layout="nk")
 
 
-def kda_out_mx(params: dict, o, gate, *, cfg: Config = KIMI_K3, out_format="mxfp4",
-               impl: str = "auto", out_dtype=jnp.bfloat16):
+def kda_out_mx(params: dict, o, gate, *, cfg: Config = KIMI_K3, impl: str = "auto",
+               out_dtype=jnp.bfloat16):
     """``o, gate [T, H, 128]`` -> ``[T, hidden]``: the gated norm fused with MX
-    (``rmsnorm_gated_quant``, one launch; a block of 32 never crosses a head), then
-    ``mx_linear`` with the MX copy of the o_proj weight."""
-    qa = kp.rmsnorm_gated_quant(o, params["norm"], gate, cfg.kda_eps, out_format=out_format,
+    (``rmsnorm_gated_quant``, one launch; a block of 32 never crosses a head) in the format of
+    ``params["w_o_mx"]`` (MXFP4 from ``init_kda_out``), then ``mx_linear``."""
+    w = params["w_o_mx"]
+    qa = kp.rmsnorm_gated_quant(o, params["norm"], gate, cfg.kda_eps, out_format=_mx_format(w),
                                 impl=impl)
-    return kp.mx_linear(qa, kp.quantize_weight_mx(params["w_o"], out_format=out_format),
-                        out_dtype=out_dtype)
+    return kp.mx_linear(qa, w, out_dtype=out_dtype)
 
 
 def kda_out_reference(params: dict, o, gate, *, cfg: Config = KIMI_K3, dtype=jnp.bfloat16):

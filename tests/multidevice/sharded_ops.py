@@ -236,7 +236,7 @@ def test_kda_output_tensor_parallel(mesh):
         return kp.fp8_linear(qa, p["w_o_fp8"], p["w_o_scale"], w_layout="nk", out_dtype=jnp.float32)
 
     specs = {"norm": P(), "w_o": P("tp", None), "w_o_fp8": P(None, "tp"), "w_o_scale": P()}
-    ps = {k: put(mesh, v, *specs[k]) for k, v in params.items()}
+    ps = {k: put(mesh, v, *specs.get(k, ())) for k, v in params.items()}
     os_, gs = put(mesh, o, "dp", "tp"), put(mesh, g, "dp", "tp")
     out = jax.jit(path)(ps, os_, gs)
     ref = jax.jit(path)(params, o, g)
