@@ -301,24 +301,36 @@ def _sigmoid_mul(x, g):
     return x * _activation(g, "sigmoid")
 
 
+# Blocks are independent, so a token's row may be cut into several kernel rows: a wide row (96 x
+# 128 columns) then spreads over many programs at decode instead of one (bench/NOTES.md).
+MAX_ROW_BLOCKS = 64  # 2048 elements
+
+
+def _row_blocks(blocks: int) -> int:
+    """Blocks per kernel row: all of a token's, or the largest divisor <= MAX_ROW_BLOCKS."""
+    return max(d for d in range(1, min(blocks, MAX_ROW_BLOCKS) + 1) if blocks % d == 0)
+
+
 def mx_quant(x, *, op, mx, interpret, reduce_axes):
     """x ``[..., B, 32]`` -> (elements of that shape, scales ``[..., B]``)."""
-    data, scale = mx_rows([common.as_rows(x, 2).reshape(-1, x.shape[-2] * BLOCK)], op=op, mx=mx,
-                          combine=_identity, interpret=interpret)
-    return data.reshape(x.shape), scale.reshape(x.shape[:-1])
-
-
-def sigmoid_mul_mx(x, g, *, op, mx, interpret, reduce_axes):
-    rows = lambda a: common.as_rows(a, 2).reshape(-1, a.shape[-2] * BLOCK)  # noqa: E731
-    data, scale = mx_rows([rows(x), rows(g)], op=op, mx=mx, combine=_sigmoid_mul,
+    width = _row_blocks(x.shape[-2]) * BLOCK
+    data, scale = mx_rows([x.reshape(-1, width)], op=op, mx=mx, combine=_identity,
                           interpret=interpret)
     return data.reshape(x.shape), scale.reshape(x.shape[:-1])
 
 
+def sigmoid_mul_mx(x, g, *, op, mx, interpret, reduce_axes):
+    width = _row_blocks(x.shape[-2]) * BLOCK
+    data, scale = mx_rows([x.reshape(-1, width), g.reshape(-1, width)], op=op, mx=mx,
+                          combine=_sigmoid_mul, interpret=interpret)
+    return data.reshape(x.shape), scale.reshape(x.shape[:-1])
+
+
 def rmsnorm_gated_mx(x, w, g, *, op, eps, activation, mx, interpret, reduce_axes):
-    """x, g ``[..., H, B, 32]``, w ``[B, 32]`` -> (elements of x's shape, scales ``[..., H, B]``)."""
-    heads, width = x.shape[-3], x.shape[-2] * BLOCK
-    rows = lambda a: common.as_rows(a, 3).reshape(-1, heads, width)  # noqa: E731
+    """x, g ``[..., H, B, 32]``, w ``[B, 32]`` -> (elements of x's shape, scales ``[..., H, B]``).
+    Each head is a kernel row (heads are independent here, unlike per-token FP8)."""
+    heads, width = 1, x.shape[-2] * BLOCK
+    rows = lambda a: a.reshape(-1, heads, width)  # noqa: E731
     data, scale = gated_rows(rows(x), rows(g), w.reshape(width), op=op, eps=eps,
                              activation=activation, mx=mx, interpret=interpret)
     return data.reshape(x.shape), scale.reshape(x.shape[:-1])
