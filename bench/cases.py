@@ -145,9 +145,9 @@ def _mx_sizes(base: dict, formats=("mxfp4",), extra=()) -> dict:
 
 
 def _mx_unfused(y, fmt):
-    from k3pallas import _compat
+    from k3pallas import _compat, mx
 
-    return _compat.jax_mx_quantize(y, fmt)
+    return _compat.jax_mx_quantize(y, mx.mx_format(fmt).dtype)
 
 
 def _with_format(example):

@@ -262,16 +262,13 @@ def explicit_axes(a) -> tuple:
     return tuple(names)
 
 
-def jax_mx_quantize(y, out_format):
+def jax_mx_quantize(y, data_type, block_size=32):
     """jax's own MX quantization (``jax.nn.scaled_dot_general``'s, private in every jax we
     support: ``jax._src.cudnn.scaled_matmul_stablehlo.quantize``, present in 0.10.2 and 0.12.0),
-    for the benchmark's unfused MX variant and the tests' parity checks: ``(elements [..., N],
-    float8_e8m0fnu scales [..., N / 32])``."""
+    for the benchmark's unfused MX variant and the tests' parity checks: ``(elements [..., N]
+    in ``data_type``, float8_e8m0fnu scales [..., N / block_size])``."""
     from jax._src.cudnn.scaled_matmul_stablehlo import BlockScaleConfig, quantize
 
-    from k3pallas import mx
-
-    cfg = BlockScaleConfig(mode="mxfp8", block_size=mx.BLOCK,
-                           data_type=mx.mx_format(out_format).dtype,
+    cfg = BlockScaleConfig(mode="mxfp8", block_size=block_size, data_type=data_type,
                            scale_type=jnp.float8_e8m0fnu, global_scale=None, infer_only=False)
     return quantize(y.astype(jnp.float32), cfg)

@@ -338,6 +338,14 @@ def per_token_fp8_quant(x, *, fp8_dtype=None, fp8_max=None, min_scale=None, scal
 
 
 
+def _check_x_gate(op, x, gate):
+    _check_array(op, "x", x)
+    _check_array(op, "gate", gate)
+    if gate.shape != x.shape:
+        raise ValueError(f"{op}: gate must have the shape of x; got gate {tuple(gate.shape)} and "
+                         f"x {tuple(x.shape)}")
+
+
 def sigmoid_mul_fp8_per_token(x, gate, *, fp8_dtype=None, fp8_max=None, min_scale=None,
                               scale_ub=None, scale_groups=1, fp8_cast=None,
                               impl="auto") -> QuantizedActivation:
@@ -358,11 +366,7 @@ def sigmoid_mul_fp8_per_token(x, gate, *, fp8_dtype=None, fp8_max=None, min_scal
     Raises: as ``per_token_fp8_quant``.
     """
     op = table.SIGMOID_MUL_FP8_PER_TOKEN.name
-    _check_array(op, "x", x)
-    _check_array(op, "gate", gate)
-    if gate.shape != x.shape:
-        raise ValueError(f"{op}: gate must have the shape of x; got gate {tuple(gate.shape)} and "
-                         f"x {tuple(x.shape)}")
+    _check_x_gate(op, x, gate)
     q = _fp8_params(op, (x, gate), fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
     n = x.shape[-1]
     groups = _check_groups(op, scale_groups, n, "the last dim of x")
@@ -501,11 +505,7 @@ def sigmoid_mul_quant(x, gate, *, out_format="fp8_per_token", fp8_dtype=None, fp
                                          scale_groups=scale_groups or 1, fp8_cast=fp8_cast,
                                          impl=impl)
     name = table.SIGMOID_MUL_MX.name
-    _check_array(op, "x", x)
-    _check_array(op, "gate", gate)
-    if gate.shape != x.shape:
-        raise ValueError(f"{op}: gate must have the shape of x; got gate {tuple(gate.shape)} and "
-                         f"x {tuple(x.shape)}")
+    _check_x_gate(op, x, gate)
     _check_blocks(op, "the last dim of x", x.shape[-1])
     data, scale = call(name, impl, (_blocks(x), _blocks(gate)), dict(mx=mx), originals=(x, gate))
     return QuantizedActivation(data.reshape(x.shape), scale)

@@ -69,6 +69,15 @@ class QuantizedWeight:
         return (w * self.scale).astype(dtype)
 
 
+def _check_weight_matrix(op, w):
+    if not hasattr(w, "shape") or not hasattr(w, "dtype"):
+        raise TypeError(f"{op}: w must be an array, got {type(w).__name__}")
+    if w.ndim != 2 or 0 in w.shape:
+        raise ValueError(f"{op}: w must be a non-empty [K, N] matrix, got shape {tuple(w.shape)}")
+    if jnp.dtype(w.dtype) not in _FLOATS:
+        raise TypeError(f"{op}: w must be float16, bfloat16 or float32, got {w.dtype}")
+
+
 def quantize_weight_per_channel(w, *, fp8_dtype=None, fp8_max=None, w_layout="nk"):
     """Symmetric per-output-channel FP8 quantization of a weight ``w [K, N]`` (``x @ w``).
 
@@ -91,12 +100,7 @@ def quantize_weight_per_channel(w, *, fp8_dtype=None, fp8_max=None, w_layout="nk
     it is (``w8, ws = ...`` also unpacks the two arrays).
     """
     op = "quantize_weight_per_channel"
-    if not hasattr(w, "shape") or not hasattr(w, "dtype"):
-        raise TypeError(f"{op}: w must be an array, got {type(w).__name__}")
-    if w.ndim != 2 or 0 in w.shape:
-        raise ValueError(f"{op}: w must be a non-empty [K, N] matrix, got shape {tuple(w.shape)}")
-    if jnp.dtype(w.dtype) not in _FLOATS:
-        raise TypeError(f"{op}: w must be float16, bfloat16 or float32, got {w.dtype}")
+    _check_weight_matrix(op, w)
     _check_layout(op, w_layout)
     try:
         q = fp8_lib.resolve_fp8_params(fp8_dtype, fp8_max, target=platform.current_target(w))
@@ -211,12 +215,7 @@ def quantize_weight_mx(w, *, out_format="mxfp4"):
     ``rhs_scales`` of ``jax.nn.scaled_matmul``, which reads K contiguous.
     """
     op = "quantize_weight_mx"
-    if not hasattr(w, "shape") or not hasattr(w, "dtype"):
-        raise TypeError(f"{op}: w must be an array, got {type(w).__name__}")
-    if w.ndim != 2 or 0 in w.shape:
-        raise ValueError(f"{op}: w must be a non-empty [K, N] matrix, got shape {tuple(w.shape)}")
-    if jnp.dtype(w.dtype) not in _FLOATS:
-        raise TypeError(f"{op}: w must be float16, bfloat16 or float32, got {w.dtype}")
+    _check_weight_matrix(op, w)
     if out_format not in mx_lib.MX_FORMATS:
         raise ValueError(f"{op}: out_format must be one of {mx_lib.MX_FORMATS}, got {out_format!r}")
     k, n = w.shape

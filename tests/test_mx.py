@@ -79,7 +79,7 @@ def codes_bytes(a):
 
 def jax_quantize(y, fmt):
     """jax's own MX quantization (what jax.nn.scaled_dot_general does to its operands)."""
-    return _compat.jax_mx_quantize(jnp.asarray(y), fmt)
+    return _compat.jax_mx_quantize(jnp.asarray(y), mx_lib.mx_format(fmt).dtype)
 
 
 def rand(rng, shape, dtype=jnp.bfloat16, spread=8):

@@ -185,6 +185,19 @@ def _rows_kernel(*refs, n_rows, rows, width, n_inputs, q, combine):
         store_blocks(p, combine(*[x.astype(jnp.float32) for x in xs]), codes_ref, scale_ref, q)
 
 
+def _inv_rms(tiles, width, eps, trail):
+    """``rsqrt(mean square + eps)`` over block tiles that together hold a row (or a head), shaped
+    to broadcast against them (``trail``: the block axes)."""
+    ss = None
+    for x in tiles:
+        x = x.astype(jnp.float32)
+        s = x * x
+        for _ in range(trail):
+            s = jnp.sum(s, axis=-1)
+        ss = s if ss is None else ss + s
+    return common.inv_rms(ss / width, eps)[(Ellipsis,) + (None,) * trail]
+
+
 def _gated_kernel(x_ref, g_ref, w_ref, codes_ref, scale_ref, *, n_rows, rows, heads, width, eps,
                   activation, q):
     """``rmsnorm(x) * w * act(g)`` per head, then MX: ``[R, h, b, ...]`` tiles per head piece and
@@ -200,14 +213,7 @@ def _gated_kernel(x_ref, g_ref, w_ref, codes_ref, scale_ref, *, n_rows, rows, he
         loaded = [(p, common.load(x_ref, p.load, p.mask), common.load(g_ref, p.load, p.mask),
                    common.load(w_ref, weight_index(p, per_byte), block_mask(p, n_blocks, per_byte)))
                   for p in ps]
-        ss = None
-        for _, x, _, _ in loaded:
-            x = x.astype(jnp.float32)
-            s = x * x
-            for _ in range(trail):
-                s = jnp.sum(s, axis=-1)
-            ss = s if ss is None else ss + s
-        inv = common.inv_rms(ss / width, eps)[(Ellipsis,) + (None,) * trail]
+        inv = _inv_rms([x for _, x, _, _ in loaded], width, eps, trail)
         for p, x, g, w in loaded:
             y = (x.astype(jnp.float32) * inv * w.astype(jnp.float32)[None, None]
                  * _activation(g.astype(jnp.float32), activation))
@@ -225,14 +231,7 @@ def normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, *, in_rows, rows
     loaded = [(p, common.load(x_ref, p.load, p.mask),
                common.load(w_ref, weight_index(p, per_byte), block_mask(p, n_blocks, per_byte)))
               for p in ps]
-    ss = None
-    for _, x, _ in loaded:
-        x = x.astype(jnp.float32)
-        s = x * x
-        for _ in range(trail):
-            s = jnp.sum(s, axis=-1)
-        ss = s if ss is None else ss + s
-    inv = common.inv_rms(ss / width, eps)[(Ellipsis,) + (None,) * trail]
+    inv = _inv_rms([x for _, x, _ in loaded], width, eps, trail)
     for p, x, w in loaded:
         store_blocks(p, x.astype(jnp.float32) * inv * w.astype(jnp.float32)[None], codes_ref,
                      scale_ref, q)
