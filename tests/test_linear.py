@@ -177,3 +177,4 @@ def test_model_blocks_kimi_k3_sizes():
     assert r["mla_front"]["q"] < 1e-2 and r["mla_front"]["q_fp8_vs_bf16"] < 0.06
     for key in ("kda_out_12x128", "kda_out_96x128", "mla_out_12x128", "mla_out_96x128"):
         assert r[key]["fp8_vs_bf16"] < 0.06
+        assert 0.1 < r[key]["mxfp4_vs_bf16"] < 0.25  # FP4 elements: ~17 %, not a broken path
