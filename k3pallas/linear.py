@@ -160,6 +160,9 @@ def fp8_linear(qa, w_fp8, w_scale=None, *, out_dtype=jnp.bfloat16, w_layout=None
     for name, a in (("qa.data", data), ("qa.scale", scale), ("w_fp8", w_fp8), ("w_scale", w_scale)):
         if not hasattr(a, "shape") or not hasattr(a, "dtype"):
             raise TypeError(f"{op}: {name} must be an array, got {type(a).__name__}")
+    if jnp.dtype(scale.dtype) == jnp.dtype(jnp.float8_e8m0fnu):
+        raise TypeError(f"{op}: qa is MX ({data.dtype} data, e8m0 scales); use mx_linear with a "
+                        "weight from quantize_weight_mx")
     if jnp.dtype(data.dtype) not in fp8_lib.FP8_DTYPES:
         raise TypeError(f"{op}: qa.data must have an fp8 dtype, got {data.dtype}")
     if jnp.dtype(w_fp8.dtype) != jnp.dtype(data.dtype):

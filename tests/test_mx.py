@@ -347,6 +347,9 @@ def test_mx_linear_errors():
         kp.mx_linear(kp.quantize_activation(jnp.ones((2, 32)), out_format="mxfp4"), w4)
     with pytest.raises(ValueError, match="multiple of 32"):
         kp.quantize_weight_mx(jnp.ones((48, 8)))
+    with pytest.raises(TypeError, match="use mx_linear"):
+        kp.fp8_linear(kp.quantize_activation(x, out_format="mxfp8"),
+                      kp.quantize_weight_per_channel(w, fp8_dtype=jnp.float8_e4m3fn))
 
 
 # ------------------------------------------------------------------------------------------------
