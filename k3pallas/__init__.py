@@ -11,6 +11,10 @@ Public API (``import k3pallas as kp``):
   FP8 (the o_proj input), in one launch.
 * ``kp.fused_q_kv_rmsnorm_fp8`` / ``kp.mla_q_kv_norm_fp8``: the joint norm with q quantized to
   per-token FP8 (the q_b projection input), in one launch.
+* ``kp.rmsnorm_gated_quant``, ``kp.sigmoid_mul_quant``, ``kp.quantize_activation``,
+  ``kp.fused_q_kv_rmsnorm_quant``, ``kp.mla_q_kv_norm_quant``: the quantizing fusions by
+  ``out_format``: per-token FP8 (the functions above), MXFP8 or MXFP4 (``k3pallas.mx``; the
+  operands of ``jax.nn.scaled_matmul``); ``kp.quantize_weight_mx`` and ``kp.mx_linear``.
 * ``kp.quantize_weight_per_channel`` and ``kp.fp8_linear``: the FP8 matmul that consumes the
   quantized activation (``linear.py``; XLA's vendor FP8 GEMM, no Pallas).
 * ``kp.QuantizedActivation``, ``kp.default_fp8_dtype`` and the ``FP8_*_MAX`` constants;
@@ -20,13 +24,14 @@ Where things are: ``api.py`` (these functions: argument checks and docs), ``ops.
 table: each op's sharding rule, reference, benchmark shapes; the one dispatch),
 ``reference.py`` (the jnp semantics), ``kernels/`` (the backend: Pallas Triton kernels, their
 launch configs in ``kernels/launch.py``, the FP8 conversion choice in ``kernels/fp8_cast.py``),
-``platform.py`` (targets), ``fp8.py`` (format rules and the bit encoder), ``sharding.py``
+``platform.py`` (targets), ``fp8.py`` (format rules and the bit encoder), ``mx.py`` (MX
+format rules), ``sharding.py``
 (partitioning rules), ``linear.py`` (FP8 matmul), ``models/`` (runnable Kimi-K3 blocks),
 ``testing.py`` (tooling for tests and bench only), ``_compat.py`` (every private-jax use).
 """
 
 from k3pallas import reference
-from k3pallas.api import *  # noqa: F403  (the public functions: api.__all__, one per op of k3pallas.ops)
+from k3pallas.api import *  # noqa: F403  (the public functions: api.__all__)
 from k3pallas.api import __all__ as _api_all
 from k3pallas.fp8 import (
     FP8_E4M3FN_MAX,

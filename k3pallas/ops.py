@@ -2,12 +2,14 @@
 uses.
 
 An op (``Op``) is named once, in its entry here (``RMSNORM``, ...); that name is its public
-function (``k3pallas.api``), its kernel entry (``k3pallas.kernels.entry``), its launch-config key
-and the name its kernels launch under. Its entry gives ``rule``, how it shards
-(``k3pallas.sharding.Rule``, given its options and arrays), ``reference``, its jnp semantics
-(``k3pallas.reference``, called with the same arrays and options as the kernel entry), and
-``fp8``, whether it writes per-token FP8. The benchmark's view of each op (model shapes,
-examples, the unfused form) is the benchmark's own (``bench/cases.py``).
+function (``k3pallas.api``; the MX ops are reached through the ``*_quant`` functions'
+``out_format``), its kernel entry (``k3pallas.kernels.entry``), its launch-config key and the
+name its kernels launch under (MX: with the format appended). Its entry gives ``rule``, how it
+shards (``k3pallas.sharding.Rule``, given its options and arrays), ``reference``, its jnp
+semantics (``k3pallas.reference``, called with the same arrays and options as the kernel entry),
+``fp8``, whether it writes per-token FP8, and ``mx``, whether it writes an MX format (option
+``mx``). The benchmark's view of each op (model shapes, examples, the unfused form) is the
+benchmark's own (``bench/cases.py``).
 
 Everything generic about a call, ``call`` does: find the target, choose the implementation,
 refuse sharded normalized axes where the sharding is known, run the reference or the kernel
