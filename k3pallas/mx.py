@@ -25,9 +25,9 @@ our codes are the codes jax makes of the same float32 values:
 
 Other rules in the field: the OCP MX spec's ``2**(floor(log2(amax)) - emax_elem)`` (e.g. 2 for
 e2m1) uses more of the element range and saturates values above ``elem_max``;
-AITER's ``_mxfp4_quant_op`` rounds amax's mantissa up before that floor. Both can give a scale
-half of jax's for the same block; data quantized by them is not what ``scaled_matmul``'s jax
-reference makes.
+AITER's ``_mxfp4_quant_op`` first rounds amax to a power of two (up from a mantissa of 1.75),
+then takes ``2**(log2 - 2)``. Both can give a scale half of jax's for the same block and
+saturate at elem_max; data quantized by them is not what jax makes of the same values.
 
 Arithmetic is IEEE float32, as jax's rule runs on a GPU. XLA's CPU flushes subnormals, which
 changes jax's own result there in two corners: a quotient ``amax / elem_max`` below ``2**-126``
