@@ -30,7 +30,9 @@ from bench import ops as bench_ops
 from bench import timing
 from bench.report import write_report
 
-TOKENS = (1, 512, 4096, 65536)
+# Decode batches (8..256 tokens per step) besides the prefill sizes; each measured T serves the
+# token counts up to the geometric mean with the next (``table``).
+TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 4096, 65536)
 ROWS = (1, 2, 4)
 WARPS = (1, 2, 4, 8, 16)
 def _op_fn(name, cfg_name, dtype):

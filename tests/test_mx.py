@@ -172,6 +172,21 @@ def test_ieee_where_xla_cpu_flushes():
         assert np.asarray(qa.data.astype(jnp.float32))[0, 0] == 6 * 0.75 - 0.5  # 4.5 -> RNE 4
 
 
+def test_scale_code_of_exact_powers_equals_ml_dtypes():
+    """Where the rounding-up rule has nothing to round (amax / elem_max an exact power of two),
+    the code is ml_dtypes' own float8_e8m0fnu conversion of that power, at every exponent that
+    float32 amax can reach."""
+    for fmt in FORMATS:
+        f = mx_lib.mx_format(fmt)
+        k = np.arange(-127, 128)
+        amax = (f.elem_max * np.exp2(k.astype(np.float64)))
+        ok = amax < np.finfo(np.float32).max
+        got = np.asarray(mx_lib.scale_code(jnp.asarray(amax[ok].astype(np.float32)), f))
+        want = np.exp2(k[ok].astype(np.float64)).astype(np.float32).astype(
+            ml_dtypes.float8_e8m0fnu).view(np.uint8)
+        assert ok.sum() > 240 and np.array_equal(got, want), fmt
+
+
 def test_inverse_scale_is_exact():
     code = jnp.arange(256, dtype=jnp.int32)
     inv = np.asarray(mx_lib.inv_scale(code))
