@@ -64,17 +64,16 @@ def pieces(lead, lead_masks, n_blocks, per_byte, col0=0):
     for b0, bs in common.pow2_parts(n_blocks):
         b = b0 + jnp.arange(bs, dtype=jnp.int32)
         valid = b < n_blocks if b0 + bs > n_blocks else None
-        masks = [m for m in lead_masks if m is not None]
 
         def lead_index(total):
             return tuple(_axis(a, i, total) for i, a in enumerate(lead))
 
-        def mask_of(total, with_block):
+        def mask_of(total):
             out = None
             for i, m in enumerate(lead_masks):
                 if m is not None:
                     out = common.both(out, _axis(m, i, total))
-            if with_block and valid is not None:
+            if valid is not None:
                 out = common.both(out, _axis(valid, n_lead, total))
             return out
 
@@ -89,14 +88,13 @@ def pieces(lead, lead_masks, n_blocks, per_byte, col0=0):
             code_nd = nd - 1
             code_col = (_axis(b, n_lead, code_nd) * (BLOCK // 2)
                         + _axis(jnp.arange(BLOCK // 2, dtype=jnp.int32), n_lead + 1, code_nd))
-        del masks
         yield Piece(
             load=lead_index(nd) + (col + col0 if col0 else col,),
-            mask=mask_of(nd, True),
+            mask=mask_of(nd),
             codes=lead_index(code_nd) + (code_col,),
-            codes_mask=mask_of(code_nd, True),
+            codes_mask=mask_of(code_nd),
             scale=lead_index(n_lead + 1) + (_axis(b, n_lead, n_lead + 1),),
-            scale_mask=mask_of(n_lead + 1, True),
+            scale_mask=mask_of(n_lead + 1),
             blocks=(b0, bs))
 
 
