@@ -60,11 +60,10 @@ class QuantizedWeight:
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The ``[K, N]`` weight ``data * scale`` (whatever the stored layout), in ``dtype``; an MX
         weight (``scale [N, K / 32]`` e8m0) per block of 32 along K."""
+        if jnp.dtype(self.scale.dtype) == jnp.dtype(jnp.float8_e8m0fnu):  # MX, layout "nk":
+            # per block of 32 along K, as an activation's rows
+            return fp8_lib.QuantizedActivation(self.data, self.scale).dequantize().T.astype(dtype)
         w = self.data.astype(jnp.float32)
-        if jnp.dtype(self.scale.dtype) == jnp.dtype(jnp.float8_e8m0fnu):  # MX, layout "nk"
-            n, k = w.shape
-            s = self.scale.astype(jnp.float32)[:, :, None]
-            return (w.reshape(n, k // mx_lib.BLOCK, mx_lib.BLOCK) * s).reshape(n, k).T.astype(dtype)
         w = w if self.layout == "kn" else w.T
         return (w * self.scale).astype(dtype)
 
@@ -274,7 +273,7 @@ def mx_linear(qa, qw, *, out_dtype=jnp.bfloat16, impl="auto"):
         impl = "scaled_matmul" if platform.current_target(data).is_gpu else "reference"
     lead = data.shape[:-1]
     if impl == "reference":
-        a = qa.dequantize() if hasattr(qa, "dequantize") else fp8_lib.QuantizedActivation(data, scale).dequantize()
+        a = fp8_lib.QuantizedActivation(data, scale).dequantize()
         out = jnp.dot(a.reshape(-1, k), qw.dequantize(), precision=lax.Precision.HIGHEST,
                       preferred_element_type=jnp.float32)
     else:

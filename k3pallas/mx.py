@@ -41,6 +41,7 @@ reciprocal (``inv_scale``): the same codes on every platform.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -63,10 +64,10 @@ class MxFormat:
     elem_max: float
     per_byte: int  # elements stored per byte (2: packed nibbles)
 
-    @property
+    @functools.cached_property
     def threshold_bits(self) -> tuple[int, int, int]:
         """(exponent field, mantissa field, subnormal-edge amax bits) of ``elem_max`` for
-        ``scale_code``: see there."""
+        ``scale_code``: see there. Computed once per format (the edge by a short host search)."""
         bits = int(np.float32(self.elem_max).view(np.uint32))
         return bits >> 23, bits & 0x7FFFFF, _edge_bits(self.elem_max)
 

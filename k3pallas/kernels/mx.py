@@ -3,7 +3,8 @@ kernels of the MX ops, one launch each, ``R`` tokens per program.
 
 A row's columns are read as blocks of 32: ``[R, b, 32]`` tiles for MXFP8 and ``[R, b, 16, 2]``
 for MXFP4 (the pair axis: the two elements of a code byte), over power-of-two pieces of the
-block axis (1536 columns: 32 + 16 blocks; the gated kernel: ``[R, h, b, ...]`` per head piece).
+block axis (1536 columns: 32 + 16 blocks). MX blocks are independent, so a kernel row is a head
+(gated) or at most 64 blocks of a token (quant, sigmoid-mul): a wide token spreads over programs.
 Per block: ``amax``, the e8m0 scale code with integer operations (``mx.scale_code``), the exact
 reciprocal, the codes (integer encoder, or the native e4m3fn cast where ``fp8_cast`` decided it),
 and for MXFP4 the two nibbles of a byte, element ``2j`` low. Codes and scale codes are stored as
@@ -39,63 +40,40 @@ def kernel_params(q: mx_lib.MxParams, *, interpret: bool) -> mx_lib.MxParams:
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    load: tuple  # index of the elements, tile shape [*lead, b, 32] or [*lead, b, 16, 2]
-    mask: object  # of the elements (None: all)
-    codes: tuple  # index into the code bytes [..., width / per_byte]
+    load: tuple  # index of the elements, tile shape [R, b, 32] or [R, b, 16, 2]
+    mask: object  # of the elements
+    codes: tuple  # index into the code bytes [R, width / per_byte]
     codes_mask: object
-    scale: tuple  # index into the scale codes [..., width / 32], shape [*lead, b]
+    scale: tuple  # index into the scale codes [R, width / 32], shape [R, b]
     scale_mask: object
     blocks: tuple  # (first block, blocks) of this piece, for weights in block layout
 
 
-def _axis(values, axis, nd):
-    shape = [1] * nd
-    shape[axis] = values.shape[0]
-    return values.reshape(shape)
-
-
-def pieces(lead, lead_masks, n_blocks, per_byte, col0=0):
-    """The block pieces of a row range: ``lead`` 1-D index arrays of the leading tile axes (rows,
-    then heads), ``lead_masks`` their 1-D masks (or None); ``n_blocks`` blocks of 32 starting at
-    column ``col0`` of the input. Code and scale indices count from column 0 of the outputs."""
-    n_lead = len(lead)
-    trail = 2 if per_byte == 1 else 3
-    nd = n_lead + trail
+def pieces(rows, in_rows, n_blocks, per_byte, col0=0):
+    """The block pieces of ``rows`` rows (``in_rows``: their ``[R]`` mask): ``n_blocks`` blocks of
+    32 starting at column ``col0`` of the input, as power-of-two pieces of the block axis. Code
+    and scale indices count from column 0 of the outputs."""
+    r = jnp.arange(rows, dtype=jnp.int32)
+    half = BLOCK // 2
     for b0, bs in common.pow2_parts(n_blocks):
         b = b0 + jnp.arange(bs, dtype=jnp.int32)
-        valid = b < n_blocks if b0 + bs > n_blocks else None
-
-        def lead_index(total):
-            return tuple(_axis(a, i, total) for i, a in enumerate(lead))
-
-        def mask_of(total):
-            out = None
-            for i, m in enumerate(lead_masks):
-                if m is not None:
-                    out = common.both(out, _axis(m, i, total))
-            if valid is not None:
-                out = common.both(out, _axis(valid, n_lead, total))
-            return out
-
+        mask = in_rows[:, None]
+        if b0 + bs > n_blocks:  # the padded last piece
+            mask = mask & (b < n_blocks)[None, :]
         if per_byte == 1:
-            e = _axis(jnp.arange(BLOCK, dtype=jnp.int32), n_lead + 1, nd)
-            col = _axis(b, n_lead, nd) * BLOCK + e
-            code_col, code_nd = col, nd
+            col = b[None, :, None] * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)[None, None, :]
+            load, codes = (r[:, None, None], col), (r[:, None, None], col)
+            load_mask = codes_mask = mask[:, :, None]
         else:
-            k = _axis(jnp.arange(BLOCK // 2, dtype=jnp.int32), n_lead + 1, nd)
-            p = _axis(jnp.arange(2, dtype=jnp.int32), n_lead + 2, nd)
-            col = _axis(b, n_lead, nd) * BLOCK + 2 * k + p
-            code_nd = nd - 1
-            code_col = (_axis(b, n_lead, code_nd) * (BLOCK // 2)
-                        + _axis(jnp.arange(BLOCK // 2, dtype=jnp.int32), n_lead + 1, code_nd))
-        yield Piece(
-            load=lead_index(nd) + (col + col0 if col0 else col,),
-            mask=mask_of(nd),
-            codes=lead_index(code_nd) + (code_col,),
-            codes_mask=mask_of(code_nd),
-            scale=lead_index(n_lead + 1) + (_axis(b, n_lead, n_lead + 1),),
-            scale_mask=mask_of(n_lead + 1),
-            blocks=(b0, bs))
+            k = jnp.arange(half, dtype=jnp.int32)
+            col = (b[None, :, None, None] * BLOCK + 2 * k[None, None, :, None]
+                   + jnp.arange(2, dtype=jnp.int32)[None, None, None, :])
+            load, load_mask = (r[:, None, None, None], col), mask[:, :, None, None]
+            codes = (r[:, None, None], b[None, :, None] * half + k[None, None, :])
+            codes_mask = mask[:, :, None]
+        yield Piece(load=(load[0], load[1] + col0 if col0 else load[1]), mask=load_mask,
+                    codes=codes, codes_mask=codes_mask, scale=(r[:, None], b[None, :]),
+                    scale_mask=mask, blocks=(b0, bs))
 
 
 def weight_index(piece: Piece, per_byte, col0=0):
@@ -152,7 +130,7 @@ def store_blocks(piece: Piece, y, codes_ref, scale_ref, q):
 
 def outputs(lead_shape, width, q: mx_lib.MxParams):
     """(output structs, poison values): code bytes ``[*lead, width / per_byte]`` and scale codes
-    ``[*lead, width / 32]``. Poison: a NaN code (MXFP8) or 0xFF (MXFP4: -6, -6; the tests compare
+    ``[*lead, width / 32]`` (``lead_shape``: the rows). Poison: a NaN code (MXFP8) or 0xFF (MXFP4: -6, -6; the tests compare
     codes exactly), and the NaN scale 0xFF."""
     fmt = q.fmt
     native = q.native and fmt.per_byte == 1
@@ -175,70 +153,45 @@ def results(codes, scale, q: mx_lib.MxParams, width):
 def _rows_kernel(*refs, n_rows, rows, width, n_inputs, q, combine):
     """Row kernels (``[R, width]`` inputs): ``combine(*float32 tiles)`` per block piece, then MX."""
     x_refs, (codes_ref, scale_ref) = refs[:n_inputs], refs[n_inputs:]
-    r = jnp.arange(rows, dtype=jnp.int32)
-    in_rows = common.row_mask(n_rows, rows, 1)
     loaded = [(p, [common.load(ref, p.load, p.mask) for ref in x_refs])
-              for p in pieces([r], [in_rows], width // BLOCK, q.fmt.per_byte)]
+              for p in pieces(rows, common.row_mask(n_rows, rows, 1), width // BLOCK,
+                              q.fmt.per_byte)]
     for p, xs in loaded:
         store_blocks(p, combine(*[x.astype(jnp.float32) for x in xs]), codes_ref, scale_ref, q)
 
 
-def _inv_rms(tiles, width, eps, trail):
-    """``rsqrt(mean square + eps)`` over block tiles that together hold a row (or a head), shaped
-    to broadcast against them (``trail``: the block axes)."""
+def normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, *, in_rows, rows, col0, width,
+                            eps, q, g_ref=None, activation="sigmoid"):
+    """Columns ``col0 .. col0 + width`` of ``x_ref``'s rows (``in_rows``: ``[R]``) normalized with
+    ``w_ref``, times ``act(g)`` of ``g_ref``'s same columns where one is given (the gated norm),
+    and quantized by blocks: the gated MX kernel and the first segment of ``kernels.rmsnorm``."""
+    per_byte, n_blocks = q.fmt.per_byte, width // BLOCK
+    trail = 2 if per_byte == 1 else 3  # the block axes of a tile
+    loaded = [(p, common.load(x_ref, p.load, p.mask),
+               None if g_ref is None else common.load(g_ref, p.load, p.mask),
+               common.load(w_ref, weight_index(p, per_byte), block_mask(p, n_blocks, per_byte)))
+              for p in pieces(rows, in_rows, n_blocks, per_byte, col0=col0)]
     ss = None
-    for x in tiles:
+    for _, x, _, _ in loaded:  # the row's mean square over all its block pieces
         x = x.astype(jnp.float32)
         s = x * x
         for _ in range(trail):
             s = jnp.sum(s, axis=-1)
         ss = s if ss is None else ss + s
-    return common.inv_rms(ss / width, eps)[(Ellipsis,) + (None,) * trail]
+    inv = common.inv_rms(ss / width, eps)[(Ellipsis,) + (None,) * trail]
+    for p, x, g, w in loaded:
+        y = x.astype(jnp.float32) * inv * w.astype(jnp.float32)[None]
+        if g is not None:
+            y = y * _activation(g.astype(jnp.float32), activation)
+        store_blocks(p, y, codes_ref, scale_ref, q)
 
 
-def _gated_kernel(x_ref, g_ref, w_ref, codes_ref, scale_ref, *, n_rows, rows, heads, width, eps,
+def _gated_kernel(x_ref, g_ref, w_ref, codes_ref, scale_ref, *, n_rows, rows, width, eps,
                   activation, q):
-    """``rmsnorm(x) * w * act(g)`` per head, then MX: ``[R, h, b, ...]`` tiles per head piece and
-    block piece; the mean square of a head sums over its block pieces."""
-    per_byte, n_blocks = q.fmt.per_byte, width // BLOCK
-    r = jnp.arange(rows, dtype=jnp.int32)
-    in_rows = common.row_mask(n_rows, rows, 1)
-    trail = 2 if per_byte == 1 else 3
-    for h0, hc in common.pow2_parts(heads):
-        h = h0 + jnp.arange(hc, dtype=jnp.int32)
-        h_mask = h < heads if h0 + hc > heads else None
-        ps = list(pieces([r, h], [in_rows, h_mask], n_blocks, per_byte))
-        loaded = [(p, common.load(x_ref, p.load, p.mask), common.load(g_ref, p.load, p.mask),
-                   common.load(w_ref, weight_index(p, per_byte), block_mask(p, n_blocks, per_byte)))
-                  for p in ps]
-        inv = _inv_rms([x for _, x, _, _ in loaded], width, eps, trail)
-        for p, x, g, w in loaded:
-            y = (x.astype(jnp.float32) * inv * w.astype(jnp.float32)[None, None]
-                 * _activation(g.astype(jnp.float32), activation))
-            store_blocks(p, y, codes_ref, scale_ref, q)
-
-
-def normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, *, in_rows, rows, col0, width,
-                            eps, q):
-    """The first segment of ``kernels.rmsnorm`` as MX: columns ``col0 .. col0 + width`` of
-    ``x_ref`` normalized with ``w_ref`` and quantized by blocks (``in_rows``: ``[R]``)."""
-    per_byte, n_blocks = q.fmt.per_byte, width // BLOCK
-    trail = 2 if per_byte == 1 else 3
-    r = jnp.arange(rows, dtype=jnp.int32)
-    ps = list(pieces([r], [in_rows], n_blocks, per_byte, col0=col0))
-    loaded = [(p, common.load(x_ref, p.load, p.mask),
-               common.load(w_ref, weight_index(p, per_byte), block_mask(p, n_blocks, per_byte)))
-              for p in ps]
-    inv = _inv_rms([x for _, x, _ in loaded], width, eps, trail)
-    for p, x, w in loaded:
-        store_blocks(p, x.astype(jnp.float32) * inv * w.astype(jnp.float32)[None], codes_ref,
-                     scale_ref, q)
-
-
-def check_blocks(what: str, width: int):
-    if width % BLOCK:
-        raise ValueError(f"MX formats quantize blocks of {BLOCK} elements: {what} ({width}) must be "
-                         f"a multiple of {BLOCK}")
+    """``rmsnorm(x) * w * act(g)`` of one head per row, then MX."""
+    normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, g_ref=g_ref,
+                            activation=activation, in_rows=common.row_mask(n_rows, rows, 1),
+                            rows=rows, col0=0, width=width, eps=eps, q=q)
 
 
 def row_elems(width: int, n_inputs: int) -> tuple[int, int]:
@@ -247,41 +200,32 @@ def row_elems(width: int, n_inputs: int) -> tuple[int, int]:
     return n_inputs * sum(s for _, s in parts) * BLOCK, parts[0][1] * BLOCK
 
 
-def _launch(kernel, *, op, q, row_inputs, shared_inputs, lead_shape, width, row_elems_,
-            interpret, config=None):
-    n_rows = lead_shape[0]
+def _launch(kernel, *, op, q, row_inputs, shared_inputs, interpret, config=None):
+    """ONE MX launch of ``kernel`` over rows ``[T, width]``: (elements ``[T, width]``, scales
+    ``[T, width / 32]``)."""
+    n_rows, width = row_inputs[0].shape
     q = kernel_params(q, interpret=interpret)
     if config is None:
-        config = launch.launch_config(op, n_rows, *row_elems_)
-    outs, poison = outputs(lead_shape, width, q)
+        config = launch.launch_config(op, n_rows, *row_elems(width, len(row_inputs)))
+    outs, poison = outputs((n_rows,), width, q)
     codes, scale = common.row_call(
-        functools.partial(kernel, n_rows=n_rows, rows=config.rows_per_program, q=q),
+        functools.partial(kernel, n_rows=n_rows, rows=config.rows_per_program, width=width, q=q),
         name=f"k3pallas_{op}_{q.format}", n_rows=n_rows, config=config, row_inputs=row_inputs,
         shared_inputs=shared_inputs, out_shapes=outs, interpret=interpret, out_poison=poison)
     return results(codes, scale, q, width)
 
 
 def mx_rows(xs, *, op, mx, combine, interpret, config=None):
-    """``xs``: 1 or 2 inputs ``[T, N]`` -> MX of ``combine(*xs)`` (float32): (elements ``[T, N]``,
-    scales ``[T, N / 32]``)."""
-    n_rows, width = xs[0].shape
-    kernel = functools.partial(_rows_kernel, width=width, n_inputs=len(xs), combine=combine)
+    """``xs``: 1 or 2 inputs ``[T, N]`` -> MX of ``combine(*xs)`` (float32)."""
+    kernel = functools.partial(_rows_kernel, n_inputs=len(xs), combine=combine)
     return _launch(kernel, op=op, q=mx, row_inputs=list(xs), shared_inputs=[],
-                   lead_shape=(n_rows,), width=width, row_elems_=row_elems(width, len(xs)),
                    interpret=interpret, config=config)
 
 
 def gated_rows(x, gate, weight, *, op, eps, activation, mx, interpret, config=None):
-    """``x``, ``gate`` ``[T, H, D]`` -> MX of the gated RMSNorm per head: (elements
-    ``[T, H, D]``, scales ``[T, H, D / 32]``)."""
-    n_rows, heads, width = x.shape
-    kernel = functools.partial(_gated_kernel, heads=heads, width=width, eps=float(eps),
-                               activation=activation)
-    parts = common.pow2_parts(heads)
-    elems = row_elems(width, 2)
+    """``x``, ``gate`` ``[T, D]`` (one head per row), ``weight [D]`` -> MX of the gated RMSNorm."""
+    kernel = functools.partial(_gated_kernel, eps=float(eps), activation=activation)
     return _launch(kernel, op=op, q=mx, row_inputs=[x, gate], shared_inputs=[weight],
-                   lead_shape=(n_rows, heads), width=width,
-                   row_elems_=(sum(s for _, s in parts) * elems[0], parts[0][1] * elems[1]),
                    interpret=interpret, config=config)
 
 
@@ -326,10 +270,9 @@ def sigmoid_mul_mx(x, g, *, op, mx, interpret, reduce_axes):
 def rmsnorm_gated_mx(x, w, g, *, op, eps, activation, mx, interpret, reduce_axes):
     """x, g ``[..., H, B, 32]``, w ``[B, 32]`` -> (elements of x's shape, scales ``[..., H, B]``).
     Each head is a kernel row (heads are independent here, unlike per-token FP8)."""
-    heads, width = 1, x.shape[-2] * BLOCK
-    rows = lambda a: a.reshape(-1, heads, width)  # noqa: E731
-    data, scale = gated_rows(rows(x), rows(g), w.reshape(width), op=op, eps=eps,
-                             activation=activation, mx=mx, interpret=interpret)
+    width = x.shape[-2] * BLOCK
+    data, scale = gated_rows(x.reshape(-1, width), g.reshape(-1, width), w.reshape(width), op=op,
+                             eps=eps, activation=activation, mx=mx, interpret=interpret)
     return data.reshape(x.shape), scale.reshape(x.shape[:-1])
 
 

@@ -192,36 +192,39 @@ def mla_q_kv_norm(a, wq, wkv, *, op, q_size, kv_size, eps, kv_eps, interpret, re
     return tuple(o.reshape(a.shape[:-1] + (o.shape[-1],)) for o in outs)
 
 
-def fused_q_kv_rmsnorm_fp8(q, kv, wq, wkv, *, op, eps, kv_eps, fp8, interpret, reduce_axes):
+def _q_quantized(q, kv, wq, wkv, *, op, eps, kv_eps, params, interpret):
+    """The joint norm with q quantized (``params``: per-token FP8 or MX): (q codes, q scale
+    ``[..., 1]`` / ``[..., Dq / 32]``, kv)."""
     codes, scale, kv_out = rmsnorm_rows([common.as_rows(q, 1), common.as_rows(kv, 1)], [wq, wkv],
-                                        [eps, kv_eps], op=op, interpret=interpret, fp8=fp8)
-    return codes.reshape(q.shape), scale.reshape(q.shape[:-1] + (1,)), kv_out.reshape(kv.shape)
-
-
-def mla_q_kv_norm_fp8(a, wq, wkv, *, op, q_size, kv_size, eps, kv_eps, fp8, interpret,
-                      reduce_axes):
-    codes, scale, *rest = segments_rows([common.as_rows(a, 1)],
-                                        _packed_segments(a, q_size, kv_size, eps, kv_eps),
-                                        [wq, wkv], op=op, interpret=interpret, fp8=fp8)
-    lead = a.shape[:-1]
-    return (codes.reshape(lead + (q_size,)), scale.reshape(lead + (1,)),
-            *(o.reshape(lead + (o.shape[-1],)) for o in rest))
-
-
-def fused_q_kv_rmsnorm_mx(q, kv, wq, wkv, *, op, eps, kv_eps, mx, interpret, reduce_axes):
-    data, scale, kv_out = rmsnorm_rows([common.as_rows(q, 1), common.as_rows(kv, 1)], [wq, wkv],
-                                       [eps, kv_eps], op=op, interpret=interpret, fp8=mx)
-    return (data.reshape(q.shape), scale.reshape(q.shape[:-1] + (scale.shape[-1],)),
+                                        [eps, kv_eps], op=op, interpret=interpret, fp8=params)
+    return (codes.reshape(q.shape), scale.reshape(q.shape[:-1] + (-1,)),
             kv_out.reshape(kv.shape))
 
 
-def mla_q_kv_norm_mx(a, wq, wkv, *, op, q_size, kv_size, eps, kv_eps, mx, interpret, reduce_axes):
-    data, scale, *rest = segments_rows([common.as_rows(a, 1)],
-                                       _packed_segments(a, q_size, kv_size, eps, kv_eps),
-                                       [wq, wkv], op=op, interpret=interpret, fp8=mx)
+def _packed_quantized(a, wq, wkv, *, op, q_size, kv_size, eps, kv_eps, params, interpret):
+    """The packed norm with q quantized: (q codes, q scale, kv, k_pe where there is one)."""
+    codes, scale, *rest = segments_rows([common.as_rows(a, 1)],
+                                        _packed_segments(a, q_size, kv_size, eps, kv_eps),
+                                        [wq, wkv], op=op, interpret=interpret, fp8=params)
     lead = a.shape[:-1]
-    return (data.reshape(lead + (q_size,)), scale.reshape(lead + (scale.shape[-1],)),
+    return (codes.reshape(lead + (q_size,)), scale.reshape(lead + (-1,)),
             *(o.reshape(lead + (o.shape[-1],)) for o in rest))
+
+
+def fused_q_kv_rmsnorm_fp8(q, kv, wq, wkv, *, fp8, reduce_axes, **kw):
+    return _q_quantized(q, kv, wq, wkv, params=fp8, **kw)
+
+
+def mla_q_kv_norm_fp8(a, wq, wkv, *, fp8, reduce_axes, **kw):
+    return _packed_quantized(a, wq, wkv, params=fp8, **kw)
+
+
+def fused_q_kv_rmsnorm_mx(q, kv, wq, wkv, *, mx, reduce_axes, **kw):
+    return _q_quantized(q, kv, wq, wkv, params=mx, **kw)
+
+
+def mla_q_kv_norm_mx(a, wq, wkv, *, mx, reduce_axes, **kw):
+    return _packed_quantized(a, wq, wkv, params=mx, **kw)
 
 
 # The op entries (``k3pallas.kernels.entry``), each named after its op.
