@@ -362,6 +362,12 @@ def test_mx_linear_errors():
         kp.mx_linear(kp.quantize_activation(jnp.ones((2, 32)), out_format="mxfp4"), w4)
     with pytest.raises(ValueError, match="multiple of 32"):
         kp.quantize_weight_mx(jnp.ones((48, 8)))
+    with pytest.raises(ValueError, match="out_format must be one of"):
+        kp.quantize_weight_mx(w, out_format="fp8_per_token")
+    with pytest.raises(ValueError, match="impl must be"):
+        kp.mx_linear(q4, w4, impl="pallas")
+    with pytest.raises(TypeError, match="out_dtype"):
+        kp.mx_linear(q4, w4, out_dtype=jnp.int8)
     with pytest.raises(TypeError, match="use mx_linear"):
         kp.fp8_linear(kp.quantize_activation(x, out_format="mxfp8"),
                       kp.quantize_weight_per_channel(w, fp8_dtype=jnp.float8_e4m3fn))
