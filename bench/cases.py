@@ -194,7 +194,8 @@ if set(OPS) != set(ops.OPS):
     raise RuntimeError(f"bench.cases: ops without a benchmark view: {sorted(set(ops.OPS) - set(OPS))}")
 
 
-DEFAULT_TOKENS = (1, 7, 64, 512, 4096, 16384, 65536)
+# Decode steps (1 to 256 tokens: batch x speculative tokens), then prefill sizes.
+DEFAULT_TOKENS = (1, 7, 8, 16, 32, 64, 128, 256, 512, 4096, 16384, 65536)
 QUICK_TOKENS = (1, 64)
 
 # The KDA output path with its FP8 o_proj (bench.ops.make_case): Kimi-K3's KDA heads, eps and

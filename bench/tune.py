@@ -59,7 +59,8 @@ def _op_fn(name, cfg_name, dtype):
     return make, fn, key
 
 
-def sweep(names, tokens, dtype, calls, log=print, configs=None, splits=(1,), rows_list=ROWS):
+def sweep(names, tokens, dtype, calls, log=print, configs=None, splits=(1,), rows_list=ROWS,
+          warps_list=WARPS):
     target = platform.current_target()
     points = []
     for name in names:
@@ -71,7 +72,7 @@ def sweep(names, tokens, dtype, calls, log=print, configs=None, splits=(1,), row
                 sets = [make(s, t) for s in range(bench_ops.rotation_sets(per_set, bench_ops.cache_bytes(target)))]
                 default = launch.heuristic_config(name, t, row_elems, max_tile, target)
                 results = []
-                for split, rows, warps in itertools.product(splits, rows_list, WARPS):
+                for split, rows, warps in itertools.product(splits, rows_list, warps_list):
                     if rows > max(1, common.pow2(t)):
                         continue
                     config = launch.LaunchConfig(rows, warps, 1, split)
@@ -107,11 +108,12 @@ def sweep(names, tokens, dtype, calls, log=print, configs=None, splits=(1,), row
     return target, points
 
 
-def table(points) -> dict:
+def table(points, up_to: int | None = None) -> dict:
     """{op: [[max_tokens, row_elems, rows, warps, 1(, split)], ...]} from the sweep's winners.
 
     Each measured token count T_i serves token counts up to the geometric mean of T_i and the next
-    measured one; the largest serves everything above it.
+    measured one; the largest serves everything above it, or up to ``up_to`` (a sweep of part of
+    the range, e.g. decode sizes, whose entries ``merge`` then puts below the old larger ones).
     """
     out = {}
     by_shape = {}
@@ -120,7 +122,8 @@ def table(points) -> dict:
     for (op, row_elems), ps in sorted(by_shape.items()):
         ps.sort(key=lambda p: p["tokens"])
         for i, p in enumerate(ps):
-            upper = int(math.sqrt(p["tokens"] * ps[i + 1]["tokens"])) if i + 1 < len(ps) else 2**31
+            upper = (int(math.sqrt(p["tokens"] * ps[i + 1]["tokens"])) if i + 1 < len(ps)
+                     else up_to or 2**31)
             split = p["best"].get("split", 1)
             out.setdefault(op, []).append([upper, row_elems, p["best"]["rows"], p["best"]["warps"], 1]
                                           + ([split] if split > 1 else []))
@@ -128,13 +131,16 @@ def table(points) -> dict:
 
 
 def merge(old: dict, new: dict) -> dict:
-    """``old`` (an arch's table) with the (op, row size) pairs of ``new`` replaced by its
-    entries; the other entries stay."""
+    """``old`` (an arch's table) with the token range of each (op, row size) of ``new`` replaced
+    by its entries: old entries of that pair up to the new entries' largest ``max_tokens`` go,
+    those above it (a partial sweep's ``up_to``) and the other pairs stay."""
     out = {op: list(entries) for op, entries in old.items()}
     for op, entries in new.items():
-        swept = {e[1] for e in entries}
-        out[op] = sorted([e for e in out.get(op, []) if e[1] not in swept] + entries,
-                         key=lambda e: (e[1], e[0]))
+        top = {}
+        for e in entries:
+            top[e[1]] = max(top.get(e[1], 0), e[0])
+        kept = [e for e in out.get(op, []) if e[1] not in top or e[0] > top[e[1]]]
+        out[op] = sorted(kept + entries, key=lambda e: (e[1], e[0]))
     return out
 
 
@@ -165,7 +171,11 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--splits", default="1", help="programs per row block to sweep: 1 or 1,2")
     p.add_argument("--rows", default=",".join(map(str, ROWS)), help="rows per program to sweep")
+    p.add_argument("--warps", default=",".join(map(str, WARPS)), help="num_warps to sweep")
     p.add_argument("--out", default=os.path.join("bench", "out"))
+    p.add_argument("--up-to", type=int, default=None,
+                   help="the largest token count the largest swept one serves (a partial sweep: "
+                        "--write keeps the table's entries above it)")
     p.add_argument("--write", action="store_true", help="merge the winners into tuned_configs.json")
     args = p.parse_args(argv)
     target = platform.current_target()
@@ -177,7 +187,8 @@ def main(argv=None):
                            log=lambda m: print(f"[{time.time() - t0:6.1f}s] {m}", file=sys.stderr, flush=True),
                            configs=args.configs.split(",") if args.configs else None,
                            splits=[int(s) for s in args.splits.split(",")],
-                           rows_list=[int(r) for r in args.rows.split(",")])
+                           rows_list=[int(r) for r in args.rows.split(",")],
+                           warps_list=[int(w) for w in args.warps.split(",")])
     md = markdown(target, points)
     write_report(args.out, "tune", md, {"device_kind": target.device_kind, "arch": target.arch,
                                         "jax": jax.__version__, "dtype": args.dtype,
@@ -191,7 +202,7 @@ def main(argv=None):
         except FileNotFoundError:
             data = {}
         configs = data.setdefault("configs", {})
-        configs[target.arch] = merge(configs.get(target.arch, {}), table(points))
+        configs[target.arch] = merge(configs.get(target.arch, {}), table(points, args.up_to))
         data["note"] = ("written by python -m bench.tune --write; rows: [max_tokens, padded row "
                         "elements, rows_per_program, num_warps, num_stages(, split)]")
         data.setdefault("sources", {})[target.arch] = {"device_kind": target.device_kind,

@@ -111,6 +111,11 @@ def test_tune_table_and_merge():
     assert merged["b"] == old["b"]
     assert [e for e in merged["a"] if e[1] == 16] == [[99, 16, 4, 4, 1]]
     assert [e for e in merged["a"] if e[1] == 8] == new["a"]
+    # A decode-range sweep (up to 256 tokens) replaces only the entries of its range.
+    decode = tune.table(points[:2], up_to=256)
+    assert decode == {"a": [[8, 8, 1, 8, 1, 4], [256, 8, 1, 4, 1]]}
+    merged = tune.merge({"a": [[22, 8, 1, 1, 1], [256, 8, 2, 2, 1], [1448, 8, 1, 2, 1]]}, decode)
+    assert merged["a"] == [[8, 8, 1, 8, 1, 4], [256, 8, 1, 4, 1], [1448, 8, 1, 2, 1]]
 
 
 def test_device_report_end_to_end_without_a_gpu(tmp_path):
