@@ -91,10 +91,12 @@ def test_tuned_split_entries(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["fused_q_kv_rmsnorm", "fused_q_kv_rmsnorm_fp8", "mla_q_kv_norm",
                                 "mla_q_kv_norm_fp8"])
-@pytest.mark.parametrize("t", [1, 7, 4096])
-def test_norm_split_compiled(rng, op, t):
+@pytest.mark.parametrize("t", [1, 7, 255, 4096])
+@pytest.mark.parametrize("rows, warps", [(1, 2), (2, 4)])
+def test_norm_split_compiled(rng, op, t, rows, warps):
     """Compiled: the two-program launch equals the one-program launch of the same rows and warps
-    bit for bit (each segment runs the same code), with poisoned outputs."""
+    bit for bit (each segment runs the same code), with poisoned outputs; two rows per program
+    (the decode entries) with a partial last block at T = 255."""
     from bench import cases as k3ops
 
     spec = k3ops.OPS[op]
@@ -102,7 +104,7 @@ def test_norm_split_compiled(rng, op, t):
     args = [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in structs]
     outs = []
     for split in (1, 2):
-        with hooks.forced(LaunchConfig(1, 2, 1, split)), testing.poisoned_outputs():
+        with hooks.forced(LaunchConfig(rows, warps, 1, split)), testing.poisoned_outputs():
             outs.append(jax.jit(lambda *a: spec.fn(*a, impl="pallas", **options))(*args))
     for a, b in zip(*(jax.tree_util.tree_leaves(o) for o in outs)):
         assert not np.isnan(np.asarray(b, np.float32)).any()
