@@ -14,6 +14,7 @@ from k3pallas.models import kimi_k3
 from k3pallas import ops as op_table
 from k3pallas import testing
 
+from bench import cases as k3ops
 from bench.inspection import hlo
 from support import ORACLE_TOL, REFERENCE_TOL, assert_close, f64, rmsnorm64
 
@@ -145,3 +146,32 @@ def test_cross_device_scale_modes_compiled(rng):
     ulps = np.abs(s1.view(np.int32).astype(np.int64) - s2.view(np.int32).astype(np.int64))
     print(f"scale-only vs dynamic: {int((ulps > 0).sum())} of {ulps.size} rows differ, max {ulps.max()} ulp")
     np.testing.assert_allclose(s2, s1, rtol=1e-6)
+
+
+# The tuned table's decode buckets (91..181 and 182..362 tokens), partial row blocks included.
+DECODE_T = (100, 200, 300)
+
+
+@pytest.mark.parametrize("t", DECODE_T)
+@pytest.mark.parametrize("name", [n for n, s in k3ops.OPS.items() if not s.mx])
+def test_decode_launch_configs_compiled(rng, name, t, impl="pallas"):
+    """Every non-MX op at its model shapes with the launch config the table gives at decode T,
+    compiled with poisoned outputs, against its reference: bf16 outputs within REFERENCE_TOL,
+    FP8 scales to 1e-6 and codes at most one step apart."""
+    spec = k3ops.OPS[name]
+    for cfg in spec.configs:
+        structs, options = spec.example(t, jnp.dtype(jnp.bfloat16), **spec.sizes[cfg])
+        args = [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in structs]
+        with testing.poisoned_outputs():
+            got = jax.jit(lambda *a: spec.fn(*a, impl=impl, **options))(*args)
+        ref = jax.jit(lambda *a: spec.fn(*a, impl="reference", **options))(*args)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+            assert a.shape == b.shape and a.dtype == b.dtype, (cfg, a.shape, b.shape)
+            assert not np.isnan(f64(a)).any(), (name, cfg, t, "unwritten or NaN")
+            if jnp.dtype(a.dtype).itemsize == 1:  # FP8 codes
+                diff, step = np.abs(f64(a) - f64(b)), np.abs(f64(b)) / 8 + 2.0**-9
+                assert (diff <= step * 1.01).all(), (name, cfg, t)
+            elif a.dtype == jnp.float32:  # FP8 scales (the other outputs are bf16 here)
+                assert np.abs(f64(a) / f64(b) - 1).max() <= 1e-6, (name, cfg, t)
+            else:
+                assert_close(a, b, REFERENCE_TOL[jnp.dtype(a.dtype).name], f"{name} {cfg} T={t}")
