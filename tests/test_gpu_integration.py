@@ -148,13 +148,14 @@ def test_cross_device_scale_modes_compiled(rng):
     np.testing.assert_allclose(s2, s1, rtol=1e-6)
 
 
-# The tuned table's decode buckets (91..181 and 182..362 tokens), partial row blocks included.
-DECODE_T = (100, 200, 300)
+# The tuned table's decode buckets (91..181 and 182..362 tokens); odd, so that the entries with
+# two rows per program end on a partial row block.
+DECODE_T = (99, 201, 301)
 
 
 @pytest.mark.parametrize("t", DECODE_T)
 @pytest.mark.parametrize("name", [n for n, s in k3ops.OPS.items() if not s.mx])
-def test_decode_launch_configs_compiled(rng, name, t, impl="pallas"):
+def test_decode_launch_configs_compiled(rng, name, t):
     """Every non-MX op at its model shapes with the launch config the table gives at decode T,
     compiled with poisoned outputs, against its reference: bf16 outputs within REFERENCE_TOL,
     FP8 scales to 1e-6 and codes at most one step apart."""
@@ -163,7 +164,7 @@ def test_decode_launch_configs_compiled(rng, name, t, impl="pallas"):
         structs, options = spec.example(t, jnp.dtype(jnp.bfloat16), **spec.sizes[cfg])
         args = [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in structs]
         with testing.poisoned_outputs():
-            got = jax.jit(lambda *a: spec.fn(*a, impl=impl, **options))(*args)
+            got = jax.jit(lambda *a: spec.fn(*a, impl="pallas", **options))(*args)
         ref = jax.jit(lambda *a: spec.fn(*a, impl="reference", **options))(*args)
         for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
             assert a.shape == b.shape and a.dtype == b.dtype, (cfg, a.shape, b.shape)
