@@ -12,6 +12,7 @@ import types
 import pytest
 
 from bench import timing
+from bench.inspection import nv_xla
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -150,3 +151,54 @@ def test_device_report_ends_only_its_own_process_group(tmp_path):
     finally:
         bystander.kill()
         bystander.wait()
+
+
+# bench.inspection.nv_xla: the parsers on lines as ptxas 12.9 and cuobjdump print them, and the
+# whole tool where its environment (python -m bench.inspection.nv_xla --setup) exists.
+_PTXAS_LOG = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'k3pallas_rmsnorm_gated_fp8_per_token' for 'sm_90a'
+ptxas info    : Function properties for k3pallas_rmsnorm_gated_fp8_per_token
+    0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 127 registers, used 1 barriers
+ptxas info    : Compiling entry function 'other' for 'sm_90a'
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 16 registers
+"""
+_SASS = """
+        Function : k3pallas_x
+        /*00f0*/                   LDG.E.128 R52, desc[UR6][R60.64] ;                   /* 0x000 */
+        /*0340*/                   FSETP.GEU.AND P0, PT, R22, -126, PT ;                /* 0xc2f */
+        /*0370*/              @!P0 FMUL R22, R22, 0.5 ;                                 /* 0x3f0 */
+        /*0380*/                   MUFU.EX2 R80, R22 ;                                  /* 0x000 */
+        /*03b0*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;                        /* 0x000 */
+        /*0430*/                   FSETP.GEU.AND P3, PT, |R81|, 1.175494350822287508e-38, PT ; /* 0x0 */
+        /*04c0*/                   MUFU.RSQ R81, R81 ;                                  /* 0x000 */
+        /*04d0*/                   FSETP.GEU.AND P2, PT, R77, R3, PT ;                  /* 0xc2f */
+        /*0500*/                   SHFL.BFLY PT, R3, R2, 0x1, 0x1f ;                    /* 0x000 */
+        /*0510*/                   STG.E.64 desc[UR6][R4.64], R8 ;                      /* 0x000 */
+"""
+
+
+def test_nv_xla_parsers():
+    assert nv_xla.parse_ptxas(_PTXAS_LOG) == {
+        "k3pallas_rmsnorm_gated_fp8_per_token": {"registers": 127, "spill_stores": 8, "spill_loads": 4},
+        "other": {"registers": 16, "spill_stores": 0, "spill_loads": 0}}
+    s = nv_xla.sass_stats(_SASS)
+    assert s["instructions"] == 10
+    assert (s["LDG"], s["STG"], s["BAR"], s["SHFL"], s["MUFU.EX2"], s["MUFU.RSQ"]) == (1, 1, 1, 1, 1, 1)
+    assert s["denormal_guards"] == 2  # the -126 and FLT_MIN checks, not the plain compare
+    spec = b"\0# proto-message: stream_executor.GpuTargetConfigProto\nname: \"A\"\n" \
+           b"device_description_str: \"NVIDIA H200 141GB HBM3e\"\n\0junk"
+    assert 'name: "A"' in nv_xla.target_config(b"xx\0other\0" + spec)
+    with pytest.raises(RuntimeError, match="no GpuTargetConfigProto"):
+        nv_xla.target_config(b"nothing here")
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(nv_xla.env_dir(), "env.json")),
+                    reason="no nv_xla environment (python -m bench.inspection.nv_xla --setup)")
+def test_nv_xla_compiles_for_a_deviceless_h200():
+    rows = nv_xla.kernels("rmsnorm_gated_fp8_per_token:kimi-linear-kda:256", nv_xla.load_env())
+    (r,) = rows
+    assert r["kernel"] == "k3pallas_rmsnorm_gated_fp8_per_token", r
+    assert 16 <= r["registers"] <= 255 and r["spill_stores"] == 0
+    assert r["instructions"] > 100 and r["LDG"] >= 2 and r["STG"] >= 1 and r["MUFU.EX2"] >= 1

@@ -2,7 +2,8 @@
 (sm_90), offline: the Triton IR from deviceless lowering, compiled by pip ``triton`` and its
 ``ptxas -v`` (``pip install triton``; not a dependency of the package). An ESTIMATE of what the
 GPU's own compile gives (XLA's Triton differs from pip's; on the H200, Nsight Compute read 74
-registers for the 96 x 128 gated FP8 kernel where this gives 80). For finding register-limited
+registers for the 96 x 128 gated FP8 kernel where this gives 80; ``bench.inspection.nv_xla``
+compiles with XLA's own CUDA backend instead, a closer estimate). For finding register-limited
 occupancy without a GPU: ``blocks per SM = 65536 / (registers x threads)``, at most 32.
 Not a predictor of speed: a store through a reshaped view that looked ideal here (16-byte loads,
 no shared memory) ran 2.6-4x slower as XLA's Triton compiled it on the H200 (bench/NOTES.md,

@@ -1,0 +1,205 @@
+"""``python -m bench.inspection.nv_xla OP:CONFIG:T ...``: the kernels as XLA's own CUDA backend
+compiles them for an H200 (sm_90a), on a machine with no GPU: registers, spills and the SASS
+instruction mix of each kernel.
+
+``--setup`` (once, ~400 MB of wheels) makes a venv under ``~/.cache/k3pallas/cuda-xla-0.12.0``
+(``K3PALLAS_CUDA_ENV``) with jax 0.12.0 and the jax-cuda12 plugin (XLA's CUDA compiler: its
+Triton, LLVM NVPTX) and pip ``triton`` for ``ptxas``, ``libdevice`` and ``cuobjdump`` (CUDA
+12.9), and takes the H200's ``GpuTargetConfigProto`` out of the plugin binary. Each case then
+compiles in that venv, in a process of its own, with ``JAX_PLATFORMS=cpu`` and
+``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` (the plugin registers with no CUDA libraries, as a
+compile-only backend) on a deviceless topology (``jax.experimental.topologies``): the devices
+are platform "gpu", kind "NVIDIA H200 141GB HBM3e", compute capability 9.0, and k3pallas picks
+its sm_90 launch configs from them as on the H200. XLA writes the module's PTX
+(``--xla_gpu_dump_llvmir``), which ``ptxas -v`` compiles and ``cuobjdump`` lists.
+
+An ESTIMATE of the H200 machine's own compile (there: jax 0.11.2, CUDA 13's ptxas), far
+closer than ``bench.inspection.nv_regs`` (pip triton's pipeline); not a predictor of time.
+``K3PALLAS_NV_XLA_FLAGS`` adds XLA flags for an experiment (``--xla_gpu_ftz=true``: what the
+kernels would be with flush-to-zero). ``denormal guards``: the ``FSETP`` range checks that non-flush-to-zero ``ex2.approx`` /
+``rsqrt.approx`` expand to (two to three extra instructions per transcendental).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+JAX_VERSION = "0.12.0"
+PACKAGES = [f"jax=={JAX_VERSION}", f"jaxlib=={JAX_VERSION}", f"jax-cuda12-plugin=={JAX_VERSION}",
+            f"jax-cuda12-pjrt=={JAX_VERSION}", "triton==3.9.0", "numpy"]
+DEVICE = "NVIDIA H200 141GB HBM3e"
+
+# SASS opcodes counted (by prefix), and the constants of the denormal range checks.
+OPCODES = ("LDG", "STG", "LDS", "STS", "BAR", "SHFL", "REDUX", "MUFU.EX2", "MUFU.RSQ", "F2FP")
+_DENORMAL_GUARD = re.compile(r"FSETP\.\S+ .*(-126, PT|1\.175494350822287508e-38)")
+_SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?);", re.M)
+
+
+def env_dir() -> str:
+    return os.environ.get("K3PALLAS_CUDA_ENV") or os.path.join(
+        os.path.expanduser("~"), ".cache", "k3pallas", f"cuda-xla-{JAX_VERSION}")
+
+
+def target_config(plugin_bytes: bytes, device: str = DEVICE) -> str:
+    """The ``GpuTargetConfigProto`` text of ``device`` from the plugin binary's embedded specs."""
+    key = b"proto-message: stream_executor.GpuTargetConfigProto"
+    i = 0
+    while (i := plugin_bytes.find(key, i)) >= 0:
+        start, end = plugin_bytes.rfind(b"\0", 0, i) + 1, plugin_bytes.find(b"\0", i)
+        text = plugin_bytes[start:end if end >= 0 else None].decode("utf-8", "replace")
+        i = end if end >= 0 else len(plugin_bytes)
+        if f'device_description_str: "{device}"' in text:
+            return text
+    raise RuntimeError(f"no GpuTargetConfigProto for {device!r} in the plugin binary")
+
+
+def parse_ptxas(log: str) -> dict:
+    """{entry: {"registers", "spill_stores", "spill_loads"}} from ``ptxas -v`` output."""
+    out, entry = {}, None
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '([^']+)'", line):
+            entry = m.group(1)
+            out[entry] = {}
+        elif entry and (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)):
+            out[entry].update(spill_stores=int(m.group(1)), spill_loads=int(m.group(2)))
+        elif entry and (m := re.search(r"Used (\d+) registers", line)):
+            out[entry]["registers"] = int(m.group(1))
+    return out
+
+
+def sass_stats(sass: str) -> dict:
+    """Instruction counts of one kernel's ``cuobjdump --dump-sass`` listing."""
+    ops = [(m.group(1), m.group(2)) for m in _SASS_LINE.finditer(sass)]
+    stats = {"instructions": len(ops)}
+    for op in OPCODES:
+        stats[op] = sum(o == op or o.startswith(op + ".") for o, _ in ops)
+    stats["denormal_guards"] = sum(bool(_DENORMAL_GUARD.match(f"{o} {rest}")) for o, rest in ops)
+    return stats
+
+
+def _tools(env: dict) -> dict:
+    return {k: os.path.join(env["cuda_dir"], "bin", k) for k in ("ptxas", "cuobjdump")}
+
+
+def setup() -> dict:
+    """Build (or reuse) the venv; returns the environment description (also ``env.json``)."""
+    root = env_dir()
+    os.makedirs(root, exist_ok=True)
+    py = os.path.join(root, "venv", "bin", "python")
+    if not os.path.exists(py):  # jax 0.12 needs Python >= 3.12 (the ROCm gate's finder)
+        from bench.rocm import env as rocm_env
+
+        subprocess.run([rocm_env._find_python(None), "-m", "venv", os.path.join(root, "venv")],
+                       check=True)
+    subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", *PACKAGES],
+                   check=True)
+    paths = json.loads(subprocess.run([py, "-c", (
+        "import json, os, jax_plugins.xla_cuda12 as p, triton.backends.nvidia as t; "
+        "print(json.dumps([os.path.join(os.path.dirname(p.__file__), 'xla_cuda_plugin.so'), "
+        "os.path.dirname(t.__file__)]))")], capture_output=True, text=True, check=True).stdout)
+    plugin, nv = paths
+    with open(plugin, "rb") as fh:
+        config = target_config(fh.read())
+    with open(os.path.join(root, "h200.txtpb"), "w") as fh:
+        fh.write(config)
+    # XLA's --xla_gpu_cuda_data_dir layout: bin/ptxas and nvvm/libdevice/libdevice.10.bc.
+    cuda_dir = os.path.join(root, "cuda")
+    for src, dst in ((os.path.join(nv, "bin", "ptxas"), "bin/ptxas"),
+                     (os.path.join(nv, "bin", "cuobjdump"), "bin/cuobjdump"),
+                     (os.path.join(nv, "lib", "libdevice.10.bc"), "nvvm/libdevice/libdevice.10.bc")):
+        path = os.path.join(cuda_dir, dst)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if not os.path.lexists(path):
+            os.symlink(src, path)
+    env = {"python": py, "target_config": os.path.join(root, "h200.txtpb"), "cuda_dir": cuda_dir}
+    with open(os.path.join(root, "env.json"), "w") as fh:
+        json.dump(env, fh, indent=1)
+    return env
+
+
+def load_env() -> dict:
+    path = os.path.join(env_dir(), "env.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"no environment at {env_dir()}: run python -m bench.inspection.nv_xla --setup")
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _compile_in_env(case: str, env: dict) -> None:
+    """(Runs in the venv, started by ``kernels``.) Compile one case for the deviceless H200; XLA
+    dumps the PTX where ``XLA_FLAGS`` says."""
+    import jax
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from bench import cases as ops
+    from bench.rocm import check as rocm_check
+
+    with open(env["target_config"]) as fh:
+        topo = topologies.get_topology_desc("h200", "cuda", target_config=fh.read(),
+                                            topology="1x1x1")
+    mesh = topologies.make_mesh(topo, (1,), ("x",))
+    sharding = NamedSharding(mesh, PartitionSpec())
+    name, cfg, t = case.split(":")
+    fn, args = rocm_check.case_fn({"op": name, "config": cfg, "tokens": int(t),
+                                   **({"fp8_cast": "native"} if ops.OPS[name].fp8 else {})})
+    structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
+    with jax.set_mesh(mesh):
+        jax.jit(fn).trace(*structs).lower().compile()
+
+
+def kernels(case: str, env: dict) -> list[dict]:
+    """[{kernel, registers, spills, SASS counts}] of one ``OP:CONFIG:T`` case."""
+    tools = _tools(env)
+    with tempfile.TemporaryDirectory() as dump:
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        run_env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
+                   "PYTHONPATH": repo, "XLA_FLAGS": f"--xla_gpu_cuda_data_dir={env['cuda_dir']} "
+                   f"--xla_dump_to={dump} --xla_gpu_dump_llvmir --xla_dump_emitter_re=.* "
+                   + os.environ.get("K3PALLAS_NV_XLA_FLAGS", "")}
+        proc = subprocess.run([env["python"], "-m", "bench.inspection.nv_xla", "--compile-one", case],
+                              env=run_env, capture_output=True, text=True, cwd=repo)
+        if proc.returncode != 0:
+            return [{"case": case, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}]
+        rows = []
+        for ptx in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
+            cubin = ptx + ".cubin"
+            log = subprocess.run([tools["ptxas"], "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
+                                 capture_output=True, text=True, check=True).stderr
+            for entry, res in parse_ptxas(log).items():
+                if not entry.startswith("k3pallas"):
+                    continue
+                sass = subprocess.run([tools["cuobjdump"], "--dump-sass", "--function", entry, cubin],
+                                      capture_output=True, text=True, check=True).stdout
+                rows.append({"case": case, "kernel": entry, **res, **sass_stats(sass)})
+        return rows
+
+
+def main(argv) -> int:
+    if argv[:1] == ["--setup"]:
+        print(json.dumps(setup(), indent=1))
+        return 0
+    if argv[:1] == ["--compile-one"]:
+        _compile_in_env(argv[1], load_env())
+        return 0
+    env = load_env()
+    cols = ("registers", "spill_stores", "instructions", *OPCODES, "denormal_guards")
+    print("| case | kernel | " + " | ".join(cols) + " |")
+    print("|---|---|" + "---|" * len(cols))
+    for case in argv:
+        for r in kernels(case, env):
+            if "error" in r:
+                print(f"| {case} | ERROR: {r['error']} |")
+                continue
+            print(f"| {case} | {r['kernel']} | " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
