@@ -15,9 +15,9 @@ its sm_90 launch configs from them as on the H200. XLA writes the module's PTX
 
 An ESTIMATE of the H200 machine's own compile (there: jax 0.11.2, CUDA 13's ptxas), far
 closer than ``bench.inspection.nv_regs`` (pip triton's pipeline); not a predictor of time.
-``K3PALLAS_NV_XLA_FLAGS`` adds XLA flags for an experiment (``--xla_gpu_ftz=true``: what the
-kernels would be with flush-to-zero). ``denormal guards``: the ``FSETP`` range checks that non-flush-to-zero ``ex2.approx`` /
-``rsqrt.approx`` expand to (two to three extra instructions per transcendental).
+``K3PALLAS_NV_XLA_FLAGS`` adds XLA flags for an experiment (``--xla_gpu_ftz=true``: the kernels
+with flush-to-zero). ``denormal_guards``: the ``FSETP`` range checks that ``ex2.approx`` /
+``rsqrt.approx`` without flush-to-zero expand to (each with two predicated multiplies).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ PACKAGES = [f"jax=={JAX_VERSION}", f"jaxlib=={JAX_VERSION}", f"jax-cuda12-plugin
 DEVICE = "NVIDIA H200 141GB HBM3e"
 
 # SASS opcodes counted (by prefix), and the constants of the denormal range checks.
-OPCODES = ("LDG", "STG", "LDS", "STS", "BAR", "SHFL", "REDUX", "MUFU.EX2", "MUFU.RSQ", "F2FP")
+OPCODES = ("LDG", "STG", "LDS", "LDSM", "STS", "STSM", "BAR", "SHFL", "REDUX", "MUFU.EX2",
+           "MUFU.RSQ", "F2FP")
 _DENORMAL_GUARD = re.compile(r"FSETP\.\S+ .*(-126, PT|1\.175494350822287508e-38)")
 _SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?);", re.M)
 
