@@ -49,12 +49,9 @@ def env_dir() -> str:
 
 def target_config(plugin_bytes: bytes, device: str = DEVICE) -> str:
     """The ``GpuTargetConfigProto`` text of ``device`` from the plugin binary's embedded specs."""
-    key = b"proto-message: stream_executor.GpuTargetConfigProto"
-    i = 0
-    while (i := plugin_bytes.find(key, i)) >= 0:
-        start, end = plugin_bytes.rfind(b"\0", 0, i) + 1, plugin_bytes.find(b"\0", i)
-        text = plugin_bytes[start:end if end >= 0 else None].decode("utf-8", "replace")
-        i = end if end >= 0 else len(plugin_bytes)
+    from bench.rocm.env import target_config_texts
+
+    for text in target_config_texts(plugin_bytes):
         if f'device_description_str: "{device}"' in text:
             return text
     raise RuntimeError(f"no GpuTargetConfigProto for {device!r} in the plugin binary")

@@ -215,16 +215,24 @@ def build_stubs(libs, out_dir) -> list[str]:
     return built
 
 
+def target_config_texts(data: bytes):
+    """Yields each ``GpuTargetConfigProto`` text embedded in an XLA plugin binary (XLA's device
+    specs, NUL-terminated strings; ``bench.inspection.nv_xla`` reads the CUDA plugin's too)."""
+    key = b"proto-message: stream_executor.GpuTargetConfigProto"
+    i = 0
+    while (i := data.find(key, i)) >= 0:
+        start, end = data.rfind(b"\0", 0, i) + 1, data.find(b"\0", i)
+        end = len(data) if end < 0 else end
+        yield data[start:end].decode("utf-8", "replace")
+        i = end
+
+
 def extract_targets(plugin_so, out_dir) -> dict:
     """The GpuTargetConfigProto text of each arch in ``ARCH_DEVICES``, from the plugin binary."""
     with open(plugin_so, "rb") as fh:
         data = fh.read()
-    key = b"proto-message: stream_executor.GpuTargetConfigProto"
-    found, i = {}, 0
-    while (i := data.find(key, i)) >= 0:
-        start, end = data.rfind(b"\0", 0, i) + 1, data.find(b"\0", i)
-        text = data[start:end].decode("utf-8", "replace")
-        i = end
+    found = {}
+    for text in target_config_texts(data):
         m = re.search(r'gcn_arch_name:\s*"(gfx\w+)', text)
         if m and m.group(1) in ARCH_DEVICES and m.group(1) not in found:
             found[m.group(1)] = text
