@@ -13,6 +13,7 @@ import pytest
 import k3pallas as kp
 from k3pallas import ops as op_table
 from k3pallas import testing
+from k3pallas.kernels import gated_fp8
 
 from support import (ORACLE_TOL, REFERENCE_TOL, assert_close, check_codes, check_pair, check_scales, f64,
                     fp8_grid, gated64, quant_oracle)
@@ -119,15 +120,23 @@ def test_gated_fp8_parity(rng, cpu_impl, t, hd, activation, name):
 
 
 @pytest.mark.parametrize("fp8_max", [224.0, 240.0])
-def test_gated_fp8_fnuz_max(rng, cpu_impl, fp8_max):
+def test_gated_fp8_fnuz_max(rng, cpu_impl, fp8_max, gated_form):
     x, w, g = _gated_inputs(rng, 64, 12, 128)
     out, _, _ = check_gated_fp8(x, w, g, cpu_impl, FNUZ, fp8_max=fp8_max)
     # The largest magnitude of every row lands exactly on +-fp8_max.
     assert np.allclose(np.max(np.abs(f64(out.data)), axis=-1), fp8_max)
 
 
+@pytest.fixture(params=[True, False], ids=["beside_norm", "after_norm"])
+def gated_form(request, monkeypatch):
+    """Both forms of the gated FP8 kernel's amax (``gated_fp8.amax_beside_norm`` picks one by
+    shape) at the same shapes."""
+    monkeypatch.setattr(gated_fp8, "amax_beside_norm", lambda n_rows, heads: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("name", ["float8_e4m3fn", FNUZ, "float8_e5m2"])
-def test_gated_fp8_special_rows(rng, cpu_impl, name):
+def test_gated_fp8_special_rows(rng, cpu_impl, name, gated_form):
     """Zero rows, a NaN row, huge and tiny magnitudes in one call; the NaN touches no other row."""
     t, h, d = 9, 5, 96
     x, w, g = _gated_inputs(rng, t, h, d, "float32")
@@ -151,7 +160,7 @@ def test_gated_fp8_special_rows(rng, cpu_impl, name):
     assert np.array_equal(np.asarray(dirty.scale)[others], np.asarray(clean.scale)[others])
 
 
-def test_gated_fp8_scale_ub(rng, cpu_impl):
+def test_gated_fp8_scale_ub(rng, cpu_impl, gated_form):
     x, w, g = _gated_inputs(rng, 33, 12, 128)
     y = gated64(x, w, g, 1e-5, "sigmoid")
     ub = float(np.median(np.max(np.abs(y), axis=(1, 2))))  # about half the rows get clamped
@@ -214,7 +223,7 @@ def test_quantized_activation_container(rng, cpu_impl):
     assert qa.dequantize(jnp.bfloat16).dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("quant_op", ["gated", "per_token"])
+@pytest.mark.parametrize("quant_op", ["gated", "gated_after_norm", "per_token"])
 def test_scale_only_and_given_scale_modes(rng, quant_op):
     """The two launches of the cross-device scale (k3pallas.sharding): "scale_only" gives the
     dynamic launch's scale, and "given_scale" with that scale gives its codes, bit for bit; with a
@@ -225,11 +234,12 @@ def test_scale_only_and_given_scale_modes(rng, quant_op):
     q = fp8_lib.resolve_fp8_params("float8_e4m3fn")
     x = jnp.asarray(rng.standard_normal((37, 12, 64)) * 2, jnp.bfloat16)
     x = x.at[5, 3, 7].set(jnp.nan)
-    if quant_op == "gated":
+    if quant_op.startswith("gated"):
         g = jnp.asarray(rng.standard_normal((37, 12, 64)), jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal(64), jnp.float32)
         rows = functools.partial(kernels.rmsnorm_gated_rows, x, g, w, eps=1e-5,
-                                 activation="sigmoid", op=op_table.RMSNORM_GATED_FP8_PER_TOKEN.name, fp8=q, interpret=True)
+                                 activation="sigmoid", op=op_table.RMSNORM_GATED_FP8_PER_TOKEN.name, fp8=q, interpret=True,
+                                 beside_norm=quant_op == "gated")
     else:
         rows = functools.partial(kernels.per_token_fp8_rows, x.reshape(37, -1), op=op_table.PER_TOKEN_FP8_QUANT.name, fp8=q,
                                  interpret=True)

@@ -11,6 +11,7 @@ bf16 elements index correctly; see ``check_offsets`` for the one case it misses.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 from typing import Sequence
@@ -18,7 +19,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from k3pallas import _compat
+from k3pallas import _compat, platform
 from k3pallas._compat import pl, plgpu
 from k3pallas.kernels import hooks
 from k3pallas.kernels.launch import LaunchConfig
@@ -108,6 +109,30 @@ def row_mask(n_rows: int, rows: int, nd: int, pid=None):
     return r.reshape((rows,) + (1,) * (nd - 1)) < n_rows
 
 
+# Flush-to-zero transcendentals, on while a kernel for a CUDA GPU is traced (``row_call``):
+# XLA compiles exp2 / rsqrt without flush-to-zero, each with a range check and two predicated
+# multiplies (a quarter of the gated FP8 kernel's instructions, bench/NOTES.md); the .ftz forms
+# have the same accuracy and differ only for subnormal inputs or results.
+_FTZ = contextvars.ContextVar("k3pallas_ftz", default=False)
+
+
+def _ptx_unary(x, op):
+    (out,) = plgpu.elementwise_inline_asm(
+        f"{op} $0, $1;", args=[x], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    return out
+
+
+def exp2(x):
+    """``2 ** x`` of a float32 tile."""
+    return _ptx_unary(x, "ex2.approx.ftz.f32") if _FTZ.get() else jnp.exp2(x)
+
+
+def rsqrt(x):
+    """``1 / sqrt(x)`` of a float32 tile."""
+    return _ptx_unary(x, "rsqrt.approx.ftz.f32") if _FTZ.get() else jax.lax.rsqrt(x)
+
+
 def inv_rms(ms, eps):
     """``rsqrt(ms + eps)`` for a row's float32 mean square ``ms``, NaN where ``ms`` is not finite.
 
@@ -115,7 +140,19 @@ def inv_rms(ms, eps):
     of about 1.8e19 and up, or an inf): ``rsqrt`` would then give 0 and the row a silent zero.
     A NaN row says that it is out of range instead. One compare and select per row.
     """
-    return jnp.where(ms < jnp.inf, jax.lax.rsqrt(ms + eps), jnp.nan)
+    return jnp.where(ms < jnp.inf, rsqrt(ms + eps), jnp.nan)
+
+
+INF_BITS = 0x7F800000  # float32 +inf as int32; NaN patterns of |y| are above it
+
+
+def abs_bits(y):
+    """``|y|`` of a float32 tile as int32 bit patterns. Non-negative floats order as their bits
+    do, and every NaN pattern sorts above inf's, so ONE integer max gives the maximum of ``|y|``
+    and tells whether a NaN (``> INF_BITS``) or an infinity (``== INF_BITS``) is among the
+    values: no second reduction for NaN (Triton's float max drops NaN, as does XLA's CPU one
+    over long rows). Padded lanes hold 0."""
+    return jax.lax.bitcast_convert_type(y, jnp.int32) & 0x7FFFFFFF
 
 
 def both(a, b):
@@ -185,6 +222,15 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
     wrapper = hooks.wrapper()
     if wrapper is not None:
         call = wrapper(call)
+    ftz = not interpret and platform.current_target().backend == "cuda"
+    token = _FTZ.set(ftz)
+    try:
+        return _launch(call, rows, n_rows, programs_per_block, row_spec, config, interpret, name)
+    finally:
+        _FTZ.reset(token)
+
+
+def _launch(call, rows, n_rows, programs_per_block, row_spec, config, interpret, name):
     return pl.pallas_call(
         call.kernel,
         grid=(pl.cdiv(n_rows, rows),) + ((programs_per_block,) if programs_per_block > 1 else ()),
@@ -198,5 +244,6 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
     )(*call.inputs)
 
 
-__all__ = ["pow2", "pow2_parts", "tile_index", "lane_index", "row_mask", "inv_rms", "both", "load", "store", "row_call",
+__all__ = ["pow2", "pow2_parts", "tile_index", "lane_index", "row_mask", "inv_rms", "abs_bits",
+           "INF_BITS", "both", "load", "store", "row_call",
            "check_offsets", "as_rows", "RowCall"]

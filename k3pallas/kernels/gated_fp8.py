@@ -12,8 +12,15 @@ budget of a memory-bound kernel (measurements: bench/NOTES.md):
 * the scale is applied as one reciprocal per row and a multiply per element;
 * the clamp to ``+-fp8_max`` runs only with ``scale_ub`` (without it ``|y / scale|`` exceeds
   ``fp8_max`` only by rounding, which round-to-nearest-even returns to ``fp8_max``);
-* a NaN reaches the scale through a per-row sum of ``|y|`` (Triton's max drops NaN), an infinity
-  through the max; padded lanes are 0, so the reductions need no mask.
+* ``amax`` is one integer max over ``|y|``'s bit patterns (``common.abs_bits``: NaN and inf
+  included), except in the gated FP8 kernel, which has two forms, chosen by shape
+  (``amax_beside_norm``): for decode batches it takes ``y = z * inv_rms`` per head
+  (``z = x * w * act(g)``), reduces the head's ``amax`` (``max|z| * inv_rms``,
+  ``quant.normed_amax``) beside the norm's sum, then ONE integer max over the heads, and the
+  codes take ``inv_rms`` and the scale in one multiply: the shortest latency chain. For large
+  token counts it reduces ``y`` after the norm with a float max and a sum that carries a NaN
+  (Triton's float max drops NaN), which the H200 runs faster there. Padded lanes are 0, so the
+  reductions need no mask.
 
 Codes come from the integer encoder or the lowering's own cast, as ``kernels.fp8_cast`` decided.
 """
@@ -33,7 +40,7 @@ _LOG2E = 1.4426950408889634
 
 
 def act_fn(g, name: str):
-    r = jax.lax.rsqrt(1.0 + jnp.exp2(g * -_LOG2E))  # 1 / sqrt(1 + e^-g); see the module doc
+    r = common.rsqrt(1.0 + common.exp2(g * -_LOG2E))  # 1 / sqrt(1 + e^-g); see the module doc
     sig = r * r
     return sig if name == "sigmoid" else g * sig
 
@@ -60,13 +67,25 @@ def _gated_y(x, g, w, *, width, eps, activation):
     return x * common.inv_rms(ms, eps) * w * act_fn(g.astype(jnp.float32), activation)
 
 
-def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activation, quant, mode):
+def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activation, quant, mode,
+                  amax_beside_norm=False):
     s_ref, w_ref, *out_refs = refs if mode == "given_scale" else (None, *refs)
     in_rows = common.row_mask(n_rows, rows, 3)
     d_index, d_lanes = common.lane_index(width)
     loaded = [(index, mask, common.load(x_ref, index, mask), common.load(g_ref, index, mask))
               for index, mask in _head_pieces(in_rows, rows, heads, d_index, d_lanes)]
     w = common.load(w_ref, d_index, d_lanes).astype(jnp.float32)[None, None, :]
+    if quant is not None and amax_beside_norm:
+        ys, amax = [], []
+        for index, mask, x, g in loaded:
+            x = x.astype(jnp.float32)
+            inv = common.inv_rms(jnp.sum(x * x, axis=-1) / width, eps)  # first: needs x alone
+            z = x * w * act_fn(g.astype(jnp.float32), activation)
+            ys.append((index, mask, z, inv[..., None]))
+            amax.append(quant_lib.normed_amax(z, inv))
+        quant_lib.epilogue(ys, out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant,
+                           mode=mode, amax=amax)
+        return
     ys = [(index, mask, _gated_y(x, g, w, width=width, eps=eps, activation=activation))
           for index, mask, x, g in loaded]
     if quant is None:
@@ -74,7 +93,20 @@ def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activati
         for index, mask, y in ys:
             common.store(o_ref, index, y, mask)
         return
-    quant_lib.epilogue(ys, out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant, mode=mode)
+    quant_lib.epilogue(ys, out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant, mode=mode,
+                       bits=False)
+
+
+# The gated FP8 kernel's amax beside the norm for decode batches of up to 32 heads; the other
+# form beyond (H200, both forms with flush-to-zero transcendentals, bench/NOTES.md: 32 x 128 at
+# T = 256 3.20 vs 3.20 us, at 65536 354 vs 337; 96 x 128 at T = 64 4.22 vs 4.00).
+_BESIDE_NORM_MAX_TOKENS = 512
+_BESIDE_NORM_MAX_HEADS = 32
+
+
+def amax_beside_norm(n_rows: int, heads: int) -> bool:
+    """Which form of the gated FP8 kernel's amax a launch of ``n_rows`` tokens uses."""
+    return n_rows <= _BESIDE_NORM_MAX_TOKENS and heads <= _BESIDE_NORM_MAX_HEADS
 
 
 def _sigmoid_mul_kernel(x_ref, g_ref, *refs, n_rows, rows, width, quant, mode):
@@ -146,17 +178,21 @@ def _fp8_call(kernel_fn, op, row_inputs, shared_inputs, row_elems, *, fp8, inter
 def rmsnorm_gated_rows(x, gate, weight, *, op: str, eps: float, activation: str,
                        fp8: fp8_lib.Fp8Params | None, interpret: bool,
                        config: launch.LaunchConfig | None = None, mode: str = "dynamic",
-                       scale=None):
+                       scale=None, beside_norm: bool | None = None):
     """``x``, ``gate`` ``[T, H, D]``. Without ``fp8``: y ``[T, H, D]`` in x's dtype. With it,
     by ``mode``: "dynamic" ``(codes [T, H, D] fp8, scale [T] float32)``; "scale_only"
     ``(None, scale)``; "given_scale" ``(codes, None)`` quantized with ``scale [T]`` (a scale
-    reduced across devices: see ``k3pallas.sharding``)."""
+    reduced across devices: see ``k3pallas.sharding``). ``beside_norm``: the FP8 form (see the
+    module doc; default ``amax_beside_norm(T, H)``); both meet the same tolerances (their
+    roundings differ: a code can move by one step)."""
     n_rows, heads, width = x.shape
     static = dict(heads=heads, width=width, eps=float(eps), activation=activation)
     if fp8 is not None:
+        if beside_norm is None:
+            beside_norm = amax_beside_norm(n_rows, heads)
         return _fp8_call(_gated_kernel, op, [x, gate], [weight], gated_row_elems(heads, width),
                          fp8=fp8, interpret=interpret, config=config, mode=mode, scale=scale,
-                         **static)
+                         amax_beside_norm=beside_norm, **static)
     if config is None:
         config = launch.launch_config(op, n_rows, *gated_row_elems(heads, width))
     kernel = functools.partial(_gated_kernel, n_rows=n_rows, rows=config.rows_per_program,

@@ -27,17 +27,30 @@ def _row_reduce(fn, a):
     return a
 
 
-def row_scale(tiles, q: fp8_lib.Fp8Params):
-    """Per-row scale ``[R]`` over float32 tiles ``[R, ...]`` that together hold the rows."""
-    amax = total = None
-    for y in tiles:
-        a = jnp.abs(y)
-        m, s = _row_reduce(jnp.max, a), _row_reduce(jnp.sum, a)
-        amax = m if amax is None else jnp.maximum(amax, m)
-        total = s if total is None else total + s
-    # A NaN (the sum keeps it; Triton's max drops it) or an infinity (the max keeps it) anywhere
-    # in the row: NaN scale, hence NaN codes. Per-row tests only.
-    nonfinite = (total != total) | (amax == jnp.inf)
+def row_scale(tiles, q: fp8_lib.Fp8Params, *, bits: bool = True):
+    """Per-row scale ``[R]`` over float32 tiles ``[R, ...]`` that together hold the rows.
+
+    ``bits``: ONE integer max per tile over ``|y|``'s bit patterns gives the maximum and any NaN
+    or inf (``common.abs_bits``). Otherwise a float max and a sum that carries a NaN (Triton's
+    float max drops NaN): the form the gated FP8 kernel keeps for large token counts, where it
+    measured faster on the H200 (bench/NOTES.md).
+    """
+    if bits:
+        amax_bits = None
+        for y in tiles:
+            m = _row_reduce(jnp.max, common.abs_bits(y))
+            amax_bits = m if amax_bits is None else jnp.maximum(amax_bits, m)
+        nonfinite = amax_bits >= common.INF_BITS
+        amax = lax.bitcast_convert_type(amax_bits, jnp.float32)
+    else:
+        amax = total = None
+        for y in tiles:
+            a = jnp.abs(y)
+            m, s = _row_reduce(jnp.max, a), _row_reduce(jnp.sum, a)
+            amax = m if amax is None else jnp.maximum(amax, m)
+            total = s if total is None else total + s
+        nonfinite = (total != total) | (amax == jnp.inf)
+    # A NaN or an infinity anywhere in the row: NaN scale, hence NaN codes. Per-row tests only.
     if q.scale_ub is not None:
         amax = jnp.minimum(amax, q.scale_ub)
     scale = jnp.maximum(amax / q.fp8_max, q.min_scale)
@@ -67,28 +80,46 @@ def as_fp8(codes, quant: fp8_lib.Fp8Params):
     return codes if quant.native else lax.bitcast_convert_type(codes, quant.dtype)
 
 
-def epilogue(ys, out_refs, s_ref, *, n_rows, rows, quant, mode, pid=None):
-    """Per-row FP8 of the float32 tiles ``ys`` ([(index, mask, y)], together the rows).
+def normed_amax(z, inv_rms):
+    """``max|y|`` per row of a normalized row ``y = z * inv_rms`` (the norm over the last axis;
+    ``inv_rms`` without that axis), as ``max|z| * inv_rms``: exactly the same value (rounding by
+    a positive factor is monotonic), and its reduction needs only ``z``, so it runs beside the
+    norm's instead of after it. A NaN of ``z``, which Triton's float max drops, is carried by a
+    sum of ``|z|`` beside the max; an infinity by the max; a non-finite norm by ``inv_rms``."""
+    a = jnp.abs(z)
+    total = jnp.sum(a, axis=-1)
+    return jnp.where(total == total, jnp.max(a, axis=-1) * inv_rms, jnp.nan)
 
-    ``mode``: "dynamic" (the scale from the rows; codes and scale out), "scale_only" (only the
-    scale out) or "given_scale" (the scale read from ``s_ref``; only codes out). ``pid``: as in
-    ``common.row_mask``.
+
+def epilogue(ys, out_refs, s_ref, *, n_rows, rows, quant, mode, pid=None, amax=None,
+             bits=True):
+    """Per-row FP8 of the float32 tiles ``ys`` (together the rows).
+
+    ``ys``: ``[(index, mask, y)]``, or ``[(index, mask, z, f)]`` for ``y = z * f`` (``f``
+    broadcasts against ``z``: a per-row or per-head factor, applied with the scale in one
+    multiply per element); then ``amax`` is required: tiles ``[R, ...]`` whose per-row maximum of
+    ``|.|`` is the rows' amax (``normed_amax``). ``mode``: "dynamic" (the scale from the rows;
+    codes and scale out), "scale_only" (only the scale out) or "given_scale" (the scale read from
+    ``s_ref``; only codes out). ``pid``: as in ``common.row_mask``. ``bits``: as in
+    ``row_scale``.
     """
     r_index = jnp.arange(rows, dtype=jnp.int32)
     r_mask = common.row_mask(n_rows, rows, 1, pid)
     if mode == "given_scale":
         scale = common.load(s_ref, r_index, r_mask, other=1.0)
     else:
-        scale = row_scale([y for _, _, y in ys], quant)
+        scale = row_scale(amax if amax is not None else [y for _, _, y in ys], quant, bits=bits)
     if mode == "scale_only":
         (scale_ref,) = out_refs
         common.store(scale_ref, r_index, scale, r_mask)
         return
     codes_ref = out_refs[0]
     inv = 1.0 / scale
-    for index, mask, y in ys:
-        common.store(codes_ref, index, codes(y, inv[(slice(None),) + (None,) * (y.ndim - 1)], quant),
-                     mask)
+    for index, mask, y, *factor in ys:
+        f = inv[(slice(None),) + (None,) * (y.ndim - 1)]
+        if factor:
+            f = factor[0] * f
+        common.store(codes_ref, index, codes(y, f, quant), mask)
     if mode == "dynamic":
         common.store(out_refs[1], r_index, scale, r_mask)
 

@@ -89,14 +89,19 @@ def _segments(ids, x_refs, seg_w, seg_o, *, n_rows, rows, segments, quant, pid):
             rows=rows, col0=seg.start, width=seg.width, eps=seg.eps, q=quant)
     for i, index, mask, x, w in tiles:
         seg = segments[i]
+        if i == 0 and quant is not None:  # the first segment as FP8: codes and a scale per row
+            # y = (x * w) * inv_rms, its amax beside the norm (quant.normed_amax).
+            x = x.astype(jnp.float32)
+            inv = common.inv_rms(jnp.sum(x * x, axis=1) / seg.width, seg.eps)
+            z = x * w.astype(jnp.float32)[None, :]
+            quant_lib.epilogue([(index, mask, z, inv[:, None])], seg_o[i], None, n_rows=n_rows,
+                               rows=rows, quant=quant, mode="dynamic", pid=pid,
+                               amax=[quant_lib.normed_amax(z, inv)])
+            continue
         if seg.eps is not None:
             x = x.astype(jnp.float32)
             ms = jnp.sum(x * x, axis=1, keepdims=True) / seg.width
             x = x * common.inv_rms(ms, seg.eps) * w.astype(jnp.float32)[None, :]
-        if i == 0 and quant is not None:  # the first segment as FP8: codes and a scale per row
-            quant_lib.epilogue([(index, mask, x)], seg_o[i], None, n_rows=n_rows, rows=rows,
-                               quant=quant, mode="dynamic", pid=pid)
-            continue
         common.store(seg_o[i][0], index, x, mask)
 
 
@@ -121,6 +126,8 @@ def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
     n_rows = xs[0].shape[0]
     segments = tuple(Segment(s.source, s.start, s.width, None if s.eps is None else float(s.eps))
                      for s in segments)
+    if fp8 is not None and segments[0].eps is None:
+        raise ValueError("the quantized (first) segment must be normalized (eps given)")
 
     splits = (2,) if len(segments) > 1 else ()  # the first segment, and the others
     if config is None:
