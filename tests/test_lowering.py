@@ -56,6 +56,20 @@ def test_gated_fp8_one_launch(target, fp8_dtype, hd):
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t[0])
+def test_flush_to_zero_transcendentals_on_cuda_only(target):
+    """On CUDA the kernels' exp2 / rsqrt are the .ftz PTX instructions (common.exp2 / rsqrt);
+    on ROCm jax's own ops. The norm alone has an rsqrt, the gated norm both."""
+    x, w = sds((64, 32, 128)), sds((128,), jnp.float32)
+    gated = lowered_text(lambda *a: kp.rmsnorm_gated_fp8_per_token(*a, impl="pallas"), (x, w, x),
+                         target)
+    norm = lowered_text(lambda a, b: kp.rmsnorm(a, b, impl="pallas"),
+                        (sds((64, 2048)), sds((2048,), jnp.float32)), target)
+    cuda = target[0].startswith("NVIDIA")
+    assert (gated.count("ex2.approx.ftz.f32"), gated.count("rsqrt.approx.ftz.f32")) == ((1, 1) if cuda else (0, 0))
+    assert norm.count("rsqrt.approx.ftz.f32") == int(cuda) and "ex2.approx" not in norm
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t[0])
 @pytest.mark.parametrize("activation", ["sigmoid", "silu"])
 def test_rmsnorm_gated_one_launch(target, activation):
     args = (sds((7, 12, 128)), sds((128,), jnp.float32), sds((7, 12, 128), jnp.float32))
