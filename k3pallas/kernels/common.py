@@ -244,6 +244,6 @@ def _launch(call, rows, n_rows, programs_per_block, row_spec, config, interpret,
     )(*call.inputs)
 
 
-__all__ = ["pow2", "pow2_parts", "tile_index", "lane_index", "row_mask", "inv_rms", "abs_bits",
-           "INF_BITS", "both", "load", "store", "row_call",
+__all__ = ["pow2", "pow2_parts", "tile_index", "lane_index", "row_mask", "exp2", "rsqrt",
+           "inv_rms", "abs_bits", "INF_BITS", "both", "load", "store", "row_call",
            "check_offsets", "as_rows", "RowCall"]
