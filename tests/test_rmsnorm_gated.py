@@ -226,8 +226,11 @@ def test_quantized_activation_container(rng, cpu_impl):
 @pytest.mark.parametrize("quant_op", ["gated", "gated_after_norm", "per_token"])
 def test_scale_only_and_given_scale_modes(rng, quant_op):
     """The two launches of the cross-device scale (k3pallas.sharding): "scale_only" gives the
-    dynamic launch's scale, and "given_scale" with that scale gives its codes, bit for bit; with a
-    larger scale (another device's), the codes are those of that scale."""
+    dynamic launch's scale within 1e-6 (compiled without the codes, its arithmetic may round
+    differently: a few ulp on the H200, test_gpu_integration; on XLA 0.12's CPU in the gated
+    kernel's beside-the-norm form, up to 2 ulp), the same NaN rows, and "given_scale" with the
+    dynamic scale gives its codes, bit for bit; with a larger scale (another device's), the codes
+    are those of that scale."""
     from k3pallas import fp8 as fp8_lib
     from k3pallas.kernels import gated_fp8 as kernels
 
@@ -249,7 +252,9 @@ def test_scale_only_and_given_scale_modes(rng, quant_op):
         codes_given, none2 = rows(mode="given_scale", scale=scale)
         codes_big, _ = rows(mode="given_scale", scale=scale * 2)
     assert none is None and none2 is None
-    assert np.array_equal(np.asarray(scale), np.asarray(scale_only), equal_nan=True)
+    s1, s2 = np.asarray(scale), np.asarray(scale_only)
+    assert np.array_equal(np.isnan(s1), np.isnan(s2))
+    np.testing.assert_allclose(s2, s1, rtol=1e-6)
     assert np.isnan(np.asarray(scale)[5]) and np.isnan(np.asarray(codes, np.float32)[5]).all()
     assert np.array_equal(np.asarray(codes).view(np.uint8), np.asarray(codes_given).view(np.uint8))
     c1 = np.asarray(codes, np.float64)[np.arange(37) != 5]
