@@ -97,6 +97,14 @@ def test_bad_inputs(rng):
         kp.mla_q_kv_norm_fp8(packed, wq, wkv, q_size=64, kv_size=32)
     with pytest.raises(TypeError, match="inference-only"):
         jax.grad(lambda a: f(a, kv, wq, wkv, impl="reference")[0].scale.sum())(q.astype(jnp.float32))
+    # The kernel layer: only a normalized first segment can be quantized (its amax is taken
+    # beside the norm).
+    from k3pallas import fp8 as fp8_lib
+    from k3pallas.kernels import rmsnorm as rows
+
+    with pytest.raises(ValueError, match="quantized \\(first\\) segment must be normalized"):
+        rows.segments_rows([q], [rows.Segment(0, 0, 64, None)], [], op="rmsnorm", interpret=True,
+                           fp8=fp8_lib.resolve_fp8_params("float8_e4m3fn"))
 
 
 @pytest.mark.parametrize("target", list(testing.KNOWN_TARGETS.values()), ids=lambda t: t[0])

@@ -11,6 +11,7 @@ bf16 elements index correctly; see ``check_offsets`` for the one case it misses.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import math
@@ -123,6 +124,15 @@ def _ptx_unary(x, op):
     return out
 
 
+@contextlib.contextmanager
+def _flush_to_zero(on: bool):
+    token = _FTZ.set(on)
+    try:
+        yield
+    finally:
+        _FTZ.reset(token)
+
+
 def exp2(x):
     """``2 ** x`` of a float32 tile."""
     return _ptx_unary(x, "ex2.approx.ftz.f32") if _FTZ.get() else jnp.exp2(x)
@@ -222,26 +232,18 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
     wrapper = hooks.wrapper()
     if wrapper is not None:
         call = wrapper(call)
-    ftz = not interpret and platform.current_target().backend == "cuda"
-    token = _FTZ.set(ftz)
-    try:
-        return _launch(call, rows, n_rows, programs_per_block, row_spec, config, interpret, name)
-    finally:
-        _FTZ.reset(token)
-
-
-def _launch(call, rows, n_rows, programs_per_block, row_spec, config, interpret, name):
-    return pl.pallas_call(
-        call.kernel,
-        grid=(pl.cdiv(n_rows, rows),) + ((programs_per_block,) if programs_per_block > 1 else ()),
-        in_specs=call.in_specs,
-        out_specs=[row_spec(o.shape) for o in call.out_shapes],
-        out_shape=call.out_shapes,
-        input_output_aliases=call.aliases,
-        compiler_params=_compat.triton_compiler_params(config.num_warps, config.num_stages),
-        interpret=interpret,
-        name=name,
-    )(*call.inputs)
+    with _flush_to_zero(not interpret and platform.current_target().backend == "cuda"):
+        return pl.pallas_call(
+            call.kernel,
+            grid=(pl.cdiv(n_rows, rows),) + ((programs_per_block,) if programs_per_block > 1 else ()),
+            in_specs=call.in_specs,
+            out_specs=[row_spec(o.shape) for o in call.out_shapes],
+            out_shape=call.out_shapes,
+            input_output_aliases=call.aliases,
+            compiler_params=_compat.triton_compiler_params(config.num_warps, config.num_stages),
+            interpret=interpret,
+            name=name,
+        )(*call.inputs)
 
 
 __all__ = ["pow2", "pow2_parts", "tile_index", "lane_index", "row_mask", "exp2", "rsqrt",

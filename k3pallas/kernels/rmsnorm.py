@@ -119,7 +119,7 @@ def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
 
     ``weights``: one ``[width]`` array per normalized segment, in segment order. Returns one
     ``[T, width]`` array per segment, in its source's dtype; with ``fp8``, the first segment
-    instead as per-token FP8, ``codes [T, width]`` and ``scale [T]`` float32 (two results), or
+    (which must be normalized: ValueError if its ``eps`` is None) instead as per-token FP8, ``codes [T, width]`` and ``scale [T]`` float32 (two results), or
     with ``MxParams`` as MX (``elements [T, width]``, e8m0 ``scales [T, width / 32]``). ``op``
     names the launch and picks its launch config.
     """
