@@ -153,6 +153,12 @@ def inv_rms(ms, eps):
     return jnp.where(ms < jnp.inf, rsqrt(ms + eps), jnp.nan)
 
 
+def row_inv_rms(x, width: int, eps, keepdims: bool = False):
+    """``inv_rms`` of a float32 tile's rows over its last axis of ``width`` real lanes (padded
+    lanes hold 0): ``inv_rms(sum(x**2) / width, eps)``."""
+    return inv_rms(jnp.sum(x * x, axis=-1, keepdims=keepdims) / width, eps)
+
+
 INF_BITS = 0x7F800000  # float32 +inf as int32; NaN patterns of |y| are above it
 
 
@@ -247,5 +253,5 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
 
 
 __all__ = ["pow2", "pow2_parts", "tile_index", "lane_index", "row_mask", "exp2", "rsqrt",
-           "inv_rms", "abs_bits", "INF_BITS", "both", "load", "store", "row_call",
+           "inv_rms", "row_inv_rms", "abs_bits", "INF_BITS", "both", "load", "store", "row_call",
            "check_offsets", "as_rows", "RowCall"]

@@ -63,8 +63,8 @@ def _gated_y(x, g, w, *, width, eps, activation):
     """``rmsnorm(x) * w * act(g)`` of a loaded ``[R, h, D]`` tile pair, in float32 (``w``:
     float32 ``[1, 1, D]``)."""
     x = x.astype(jnp.float32)
-    ms = jnp.sum(x * x, axis=-1, keepdims=True) / width
-    return x * common.inv_rms(ms, eps) * w * act_fn(g.astype(jnp.float32), activation)
+    return x * common.row_inv_rms(x, width, eps, keepdims=True) * w * act_fn(
+        g.astype(jnp.float32), activation)
 
 
 def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activation, quant, mode,
@@ -79,7 +79,7 @@ def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activati
         ys, amax = [], []
         for index, mask, x, g in loaded:
             x = x.astype(jnp.float32)
-            inv = common.inv_rms(jnp.sum(x * x, axis=-1) / width, eps)  # first: needs x alone
+            inv = common.row_inv_rms(x, width, eps)  # first: needs x alone
             z = x * w * act_fn(g.astype(jnp.float32), activation)
             ys.append((index, mask, z, inv[..., None]))
             amax.append(quant_lib.normed_amax(z, inv))

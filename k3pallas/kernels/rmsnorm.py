@@ -92,7 +92,7 @@ def _segments(ids, x_refs, seg_w, seg_o, *, n_rows, rows, segments, quant, pid):
         if i == 0 and quant is not None:  # the first segment as FP8: codes and a scale per row
             # y = (x * w) * inv_rms, its amax beside the norm (quant.normed_amax).
             x = x.astype(jnp.float32)
-            inv = common.inv_rms(jnp.sum(x * x, axis=1) / seg.width, seg.eps)
+            inv = common.row_inv_rms(x, seg.width, seg.eps)
             z = x * w.astype(jnp.float32)[None, :]
             quant_lib.epilogue([(index, mask, z, inv[:, None])], seg_o[i], None, n_rows=n_rows,
                                rows=rows, quant=quant, mode="dynamic", pid=pid,
@@ -100,8 +100,8 @@ def _segments(ids, x_refs, seg_w, seg_o, *, n_rows, rows, segments, quant, pid):
             continue
         if seg.eps is not None:
             x = x.astype(jnp.float32)
-            ms = jnp.sum(x * x, axis=1, keepdims=True) / seg.width
-            x = x * common.inv_rms(ms, seg.eps) * w.astype(jnp.float32)[None, :]
+            x = x * common.row_inv_rms(x, seg.width, seg.eps, keepdims=True) * w.astype(
+                jnp.float32)[None, :]
         common.store(seg_o[i][0], index, x, mask)
 
 
