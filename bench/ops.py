@@ -159,7 +159,7 @@ def rotation_sets(input_bytes: int, cache_bytes: int, max_sets: int = 32) -> int
     """How many input sets to cycle: 3x the last-level cache, at most ``max_sets``. Below
     ``3 * cache_bytes / max_sets`` per set (about 6 MB on the H200: every decode case) the sets
     fit in the cache together, and a call finds part of its inputs there (bench/NOTES.md,
-    tenth session: q/kv at T = 256 1.60 us with 8 sets, 1.68-1.81 with 32, 1.89-1.98 with 128)."""
+    tenth session)."""
     return int(min(max_sets, max(1, math.ceil(3 * cache_bytes / max(1, input_bytes)))))
 
 

@@ -83,16 +83,18 @@ def _block(out):
     jax.block_until_ready(out)
 
 
-def _traced_events(fn: Callable, input_sets: Sequence[tuple], n_calls: int,
-                   warmup: int) -> list[DeviceEvent]:
-    """Warm up, then run ``fn`` ``n_calls`` times inside a profiler trace; its device events."""
+def traced_events(fn: Callable, input_sets: Sequence[tuple], n_calls: int,
+                  warmup: int, sync: Callable = _block) -> list[DeviceEvent]:
+    """Warm up, then run ``fn`` ``n_calls`` times inside a profiler trace; its device events.
+    ``sync(out)`` waits for a call's result (another framework's kernels, e.g. torch's, are
+    traced too when ``sync`` waits for them)."""
     for i in range(max(warmup, len(input_sets))):
-        _block(fn(*input_sets[i % len(input_sets)]))
+        sync(fn(*input_sets[i % len(input_sets)]))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for i in range(n_calls):
                 out = fn(*input_sets[i % len(input_sets)])
-            _block(out)
+            sync(out)
         paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         if not paths:
             raise RuntimeError("jax.profiler.trace wrote no .xplane.pb file")
@@ -102,7 +104,7 @@ def _traced_events(fn: Callable, input_sets: Sequence[tuple], n_calls: int,
 def time_device(fn: Callable, input_sets: Sequence[tuple], n_calls: int = 30,
                 warmup: int = 3) -> Timing:
     """Device time of ``fn(*inputs)``, cycling through ``input_sets`` (cache rotation)."""
-    events = _traced_events(fn, input_sets, n_calls, warmup)
+    events = traced_events(fn, input_sets, n_calls, warmup)
     times, k = per_call_times(events, n_calls)
     return Timing(statistics.median(times) / 1e3, min(times) / 1e3, k, n_calls,
                   tuple(e.name for e in events[:k]), "device")
@@ -115,7 +117,7 @@ def time_device_multi(fn: Callable, input_sets: Sequence[tuple], n_calls: int = 
     Returns ``{"median_us": median over calls of the slowest GPU's summed kernel time,
     "per_gpu_us": {plane: median}, "kernels_per_call": {plane: k}}``.
     """
-    events = _traced_events(fn, input_sets, n_calls, warmup)
+    events = traced_events(fn, input_sets, n_calls, warmup)
     by_plane = {}
     for e in events:
         by_plane.setdefault(e.plane, []).append(e)

@@ -19,11 +19,9 @@ memory-bound regimes, and the benchmark's own (32 sets) between them. Needs torc
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import statistics
 import sys
-import tempfile
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
@@ -84,16 +82,8 @@ def _spread(us):
 def _torch_times(run, name, sets, weights, warps, calls):
     import torch
 
-    for i in range(max(32, len(sets))):
-        run(*sets[i % len(sets)], *weights, warps)
-    torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for i in range(calls):
-                run(*sets[i % len(sets)], *weights, warps)
-            torch.cuda.synchronize()
-        path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
-        events = timing.device_events(jax.profiler.ProfileData.from_file(path).planes)
+    events = timing.traced_events(lambda q, kv: run(q, kv, *weights, warps), sets, calls, 32,
+                                  sync=lambda _: torch.cuda.synchronize())
     us = [e.duration_ns / 1e3 for e in events if name in e.name]
     if len(us) != calls:
         raise RuntimeError(f"{len(us)} events of {name} for {calls} calls")
@@ -140,7 +130,7 @@ def main(argv=None):
         for w in warps:
             _check(run, tsets[0], tw, w)
         for s in n_sets:
-            events = timing._traced_events(ours, jsets[:s], args.calls, 3)
+            events = timing.traced_events(ours, jsets[:s], args.calls, 3)
             ns, _ = timing.per_call_times(events, args.calls)
             row = {"tokens": t, "sets": s, "set_mb": t * (DQ + DKV) * 2 / 2**20,
                    "k3pallas": _spread([x / 1e3 for x in ns])}

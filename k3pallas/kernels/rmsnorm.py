@@ -119,9 +119,10 @@ def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
 
     ``weights``: one ``[width]`` array per normalized segment, in segment order. Returns one
     ``[T, width]`` array per segment, in its source's dtype; with ``fp8``, the first segment
-    (which must be normalized: ValueError if its ``eps`` is None) instead as per-token FP8, ``codes [T, width]`` and ``scale [T]`` float32 (two results), or
-    with ``MxParams`` as MX (``elements [T, width]``, e8m0 ``scales [T, width / 32]``). ``op``
-    names the launch and picks its launch config.
+    (which must be normalized: ValueError if its ``eps`` is None) instead as per-token FP8,
+    ``codes [T, width]`` and ``scale [T]`` float32 (two results), or with ``MxParams`` as MX
+    (``elements [T, width]``, e8m0 ``scales [T, width / 32]``). ``op`` names the launch and
+    picks its launch config.
     """
     n_rows = xs[0].shape[0]
     segments = tuple(Segment(s.source, s.start, s.width, None if s.eps is None else float(s.eps))
