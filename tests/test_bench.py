@@ -202,3 +202,16 @@ def test_nv_xla_compiles_for_a_deviceless_h200():
     assert r["kernel"] == "k3pallas_rmsnorm_gated_fp8_per_token", r
     assert 16 <= r["registers"] <= 255 and r["spill_stores"] == 0
     assert r["instructions"] > 100 and r["LDG"] >= 2 and r["STG"] >= 1 and r["MUFU.EX2"] >= 1
+
+
+def test_beside_qkv_design_labels():
+    """``--designs`` of bench.inspection.beside_qkv (the tool itself needs torch and a GPU)."""
+    from bench.inspection import beside_qkv
+
+    assert beside_qkv._design("w4") == (4, False, False)
+    assert beside_qkv._design("w8+pdl") == (8, True, False)
+    assert beside_qkv._design("w4+pdl+graph") == (4, True, True)
+    assert beside_qkv._design("w2+graph") == (2, False, True)
+    for bad in ("4", "w", "wx", "w4+fast", "w4+"):
+        with pytest.raises(SystemExit, match="--designs"):
+            beside_qkv._design(bad)

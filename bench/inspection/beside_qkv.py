@@ -6,7 +6,10 @@ small kernels move 2-6 % between H200 machines and the two profilers' clocks dif
 32 ns ticks, so only a same-process comparison settles a few-percent question. The reference
 kernel follows the design vLLM publishes (grid (T, 2): program (t, 0) normalizes q's row t,
 (t, 1) kv's, each in one power-of-two block of the wider width, float32 math, one cast at the
-store); it is written here from that description and checked against a float64 NumPy RMSNorm.
+store, row strides as arguments); it is written here from that description and checked against a
+float64 NumPy RMSNorm. It runs launched as ``--designs`` says: 4 or 8 warps, with programmatic
+dependent launch (vLLM's launch on Hopper and later: ``gdc_wait`` first, then the next kernel may
+launch), and replayed from one CUDA graph (how vLLM runs a decode step).
 
 Both are timed with ``jax.profiler`` device events (``bench.timing``; CUPTI records the torch
 kernels too), per call over 60 calls, cycling through 1, 8, 32 and 128 input sets: with 1 MB
@@ -37,25 +40,29 @@ DQ, DKV, EPS = 1536, 512, 1e-6
 
 
 def _reference():
-    """(run(q, kv, wq, wkv, warps) -> (q_out, kv_out), kernel name) of the torch kernel."""
+    """(run(q, kv, wq, wkv, (warps, pdl)) -> (q_out, kv_out), kernel name) of the torch kernel."""
     import torch
     import triton
     import triton.language as tl
 
     @triton.jit
-    def qkv_design_rmsnorm(q, q_out, wq, kv, kv_out, wkv, eps, QS: tl.constexpr,
-                           KS: tl.constexpr, BLOCK: tl.constexpr):
+    def qkv_design_rmsnorm(q, q_out, wq, q_stride, q_out_stride, kv, kv_out, wkv, kv_stride,
+                           kv_out_stride, eps, QS: tl.constexpr, KS: tl.constexpr,
+                           BLOCK: tl.constexpr, launch_pdl: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         if tl.program_id(1) == 0:
             n = QS
-            src = q + t * QS
-            dst = q_out + t * QS
+            src = q + t * q_stride
+            dst = q_out + t * q_out_stride
             w = wq
         else:
             n = KS
-            src = kv + t * KS
-            dst = kv_out + t * KS
+            src = kv + t * kv_stride
+            dst = kv_out + t * kv_out_stride
             w = wkv
+        if launch_pdl:  # wait for the previous kernel, then let the next one launch
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         lanes = tl.arange(0, BLOCK)
         m = lanes < n
         x = tl.load(src + lanes, mask=m, other=0.0).to(tl.float32)
@@ -63,14 +70,28 @@ def _reference():
         y = x * r * tl.load(w + lanes, mask=m, other=0.0).to(tl.float32)
         tl.store(dst + lanes, y.to(dst.dtype.element_ty), mask=m)
 
-    def run(q, kv, wq, wkv, warps):
+    def run(q, kv, wq, wkv, design):
+        warps, pdl = design
         q_out, kv_out = torch.empty_like(q), torch.empty_like(kv)
+        # ``launch_pdl`` is both the kernel's flag and Triton's launch option (the PDL attribute).
         qkv_design_rmsnorm[(q.shape[0], 2)](
-            q, q_out, wq, kv, kv_out, wkv, EPS, QS=q.shape[1], KS=kv.shape[1],
-            BLOCK=triton.next_power_of_2(max(q.shape[1], kv.shape[1])), num_warps=warps)
+            q, q_out, wq, q.stride(0), q_out.stride(0), kv, kv_out, wkv, kv.stride(0),
+            kv_out.stride(0), EPS, QS=q.shape[1], KS=kv.shape[1],
+            BLOCK=triton.next_power_of_2(max(q.shape[1], kv.shape[1])), num_warps=warps,
+            launch_pdl=pdl)
         return q_out, kv_out
 
     return run, "qkv_design_rmsnorm"
+
+
+def _design(label):
+    """'w4' -> (4, False, False); '+pdl': programmatic dependent launch; '+graph': the calls
+    captured in one CUDA graph and replayed (how vLLM runs decode steps)."""
+    warps, *flags = label.split("+")
+    if not warps.startswith("w") or not warps[1:].isdigit() or set(flags) - {"pdl", "graph"}:
+        raise SystemExit(f"--designs: expected entries like w4, w4+pdl or w4+pdl+graph, got "
+                         f"{label!r}")
+    return int(warps[1:]), "pdl" in flags, "graph" in flags
 
 
 def _spread(us):
@@ -79,20 +100,36 @@ def _spread(us):
     return {"p10": us[n // 10], "median": statistics.median(us), "p90": us[(9 * n) // 10]}
 
 
-def _torch_times(run, name, sets, weights, warps, calls):
+def _torch_times(run, name, sets, weights, design, calls):
+    """Per-call device times (us) of the torch kernel and how many calls began before the
+    previous one ended (a programmatic dependent launch can overlap them)."""
     import torch
 
-    events = timing.traced_events(lambda q, kv: run(q, kv, *weights, warps), sets, calls, 32,
-                                  sync=lambda _: torch.cuda.synchronize())
-    us = [e.duration_ns / 1e3 for e in events if name in e.name]
-    if len(us) != calls:
-        raise RuntimeError(f"{len(us)} events of {name} for {calls} calls")
-    return us
+    warps, pdl, graph = design
+    call = lambda q, kv: run(q, kv, *weights, (warps, pdl))  # noqa: E731
+    if graph:
+        for i in range(len(sets)):
+            call(*sets[i])
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(calls):
+                call(*sets[i % len(sets)])
+        events = timing.traced_events(lambda: g.replay(), [()], 1, 3,
+                                      sync=lambda _: torch.cuda.synchronize())
+    else:
+        events = timing.traced_events(call, sets, calls, 32,
+                                      sync=lambda _: torch.cuda.synchronize())
+    ev = [e for e in events if name in e.name]
+    if len(ev) != calls:
+        raise RuntimeError(f"{len(ev)} events of {name} for {calls} calls")
+    overlaps = sum(b.start_ns < a.start_ns + a.duration_ns for a, b in zip(ev, ev[1:]))
+    return [e.duration_ns / 1e3 for e in ev], overlaps
 
 
-def _check(run, torch_set, weights, warps):
+def _check(run, torch_set, weights, design):
     """The reference against a float64 NumPy RMSNorm (bf16 output: 2**-7 relative)."""
-    q_out, kv_out = run(*torch_set, *weights, warps)
+    q_out, kv_out = run(*torch_set, *weights, design)
     for x, w, y in ((torch_set[0], weights[0], q_out), (torch_set[1], weights[1], kv_out)):
         x64, w64 = x.double().cpu().numpy(), w.double().cpu().numpy()
         want = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + EPS) * w64
@@ -104,7 +141,10 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1,8,64,256")
     p.add_argument("--sets", default="1,8,32,128")
-    p.add_argument("--warps", default="4,8", help="the reference kernel's num_warps")
+    p.add_argument("--designs", default="w4,w8,w4+pdl,w4+graph,w4+pdl+graph",
+                   help="reference launches: wN = num_warps N (Triton's default is 4); +pdl: "
+                        "programmatic dependent launch (vLLM's launch on Hopper and later); "
+                        "+graph: the calls replayed from one CUDA graph")
     p.add_argument("--calls", type=int, default=60)
     p.add_argument("--out", default=os.path.join("bench", "out"))
     args = p.parse_args(argv)
@@ -116,7 +156,7 @@ def main(argv=None):
           torch.randn(DKV, device="cuda", generator=gen).bfloat16())
     jw = tuple(jnp.asarray(w.float().cpu().numpy(), jnp.bfloat16) for w in tw)
     ours = jax.jit(lambda q, kv: k3pallas.fused_q_kv_rmsnorm(q, kv, *jw, eps=EPS, impl="pallas"))
-    warps = [int(w) for w in args.warps.split(",")]
+    designs = {d: _design(d) for d in args.designs.split(",")}
     n_sets = [int(s) for s in args.sets.split(",")]
     rows = []
     for t in (int(x) for x in args.tokens.split(",")):
@@ -127,27 +167,45 @@ def main(argv=None):
         jsets = [(jax.random.normal(jax.random.fold_in(key, 2 * s), (t, DQ), jnp.bfloat16),
                   jax.random.normal(jax.random.fold_in(key, 2 * s + 1), (t, DKV), jnp.bfloat16))
                  for s in range(max(n_sets))]
-        for w in warps:
-            _check(run, tsets[0], tw, w)
+        failed = {}
+        for label, d in designs.items():
+            try:
+                _check(run, tsets[0], tw, d[:2])
+            except AssertionError:
+                raise
+            except Exception as e:  # e.g. a Triton without PDL: say so, time the rest
+                failed[label] = {"error": f"{type(e).__name__}: {e}"[:300]}
         for s in n_sets:
             events = timing.traced_events(ours, jsets[:s], args.calls, 3)
             ns, _ = timing.per_call_times(events, args.calls)
             row = {"tokens": t, "sets": s, "set_mb": t * (DQ + DKV) * 2 / 2**20,
                    "k3pallas": _spread([x / 1e3 for x in ns])}
-            for w in warps:
-                row[f"design_w{w}"] = _spread(_torch_times(run, name, tsets[:s], tw, w, args.calls))
+            for label, d in designs.items():
+                if label in failed:
+                    row[f"design_{label}"] = failed[label]
+                    continue
+                us, overlaps = _torch_times(run, name, tsets[:s], tw, d, args.calls)
+                row[f"design_{label}"] = dict(_spread(us), overlaps=overlaps)
             rows.append(row)
             print(row, file=sys.stderr, flush=True)
-    cols = ["k3pallas"] + [f"design_w{w}" for w in warps]
+    cols = ["k3pallas"] + [f"design_{d}" for d in designs]
     lines = [f"# fused q/kv RMSNorm beside a kernel of vLLM's design, {jax.devices()[0].device_kind}",
              "", "Device time per call, us, p10 / median / p90 of "
              f"{args.calls} calls, jax.profiler clock for both, one process "
              "(`python -m bench.inspection.beside_qkv`). `design_wN`: the reference kernel with "
-             "N warps. `sets`: input sets cycled (the benchmark cycles 32).", "",
+             "N warps; `+pdl`: launched with programmatic dependent launch (as vLLM does on "
+             "Hopper); `+graph`: the calls replayed from one CUDA graph; `(n overlapped)`: calls "
+             "that began before the previous one ended. `sets`: input sets cycled (the benchmark cycles 32).", "",
              "| T | sets (MB each) | " + " | ".join(cols) + " |",
              "|---|---|" + "---|" * len(cols)]
+    def cell(v):
+        if "error" in v:
+            return "failed (json)"
+        txt = " / ".join(f"{v[k]:.2f}" for k in ("p10", "median", "p90"))
+        return txt + (f" ({v['overlaps']} overlapped)" if v.get("overlaps") else "")
+
     for r in rows:
-        cells = [" / ".join(f"{r[c][k]:.2f}" for k in ("p10", "median", "p90")) for c in cols]
+        cells = [cell(r[c]) for c in cols]
         lines.append(f"| {r['tokens']} | {r['sets']} ({r['set_mb']:.2f}) | " + " | ".join(cells) + " |")
     md = "\n".join(lines)
     write_report(args.out, "beside_qkv", md, {"jax": jax.__version__, "torch": torch.__version__,
