@@ -40,7 +40,7 @@ DQ, DKV, EPS = 1536, 512, 1e-6
 
 
 def _reference():
-    """(run(q, kv, wq, wkv, (warps, pdl)) -> (q_out, kv_out), kernel name) of the torch kernel."""
+    """(run(q, kv, wq, wkv, warps, pdl) -> (q_out, kv_out), kernel name) of the torch kernel."""
     import torch
     import triton
     import triton.language as tl
@@ -70,8 +70,7 @@ def _reference():
         y = x * r * tl.load(w + lanes, mask=m, other=0.0).to(tl.float32)
         tl.store(dst + lanes, y.to(dst.dtype.element_ty), mask=m)
 
-    def run(q, kv, wq, wkv, design):
-        warps, pdl = design
+    def run(q, kv, wq, wkv, warps, pdl):
         q_out, kv_out = torch.empty_like(q), torch.empty_like(kv)
         # ``launch_pdl`` is both the kernel's flag and Triton's launch option (the PDL attribute).
         qkv_design_rmsnorm[(q.shape[0], 2)](
@@ -100,13 +99,21 @@ def _spread(us):
     return {"p10": us[n // 10], "median": statistics.median(us), "p90": us[(9 * n) // 10]}
 
 
+def _cell(v):
+    """A report cell: p10 / median / p90, and the overlapped calls where there were any."""
+    if "error" in v:
+        return "failed (json)"
+    txt = " / ".join(f"{v[k]:.2f}" for k in ("p10", "median", "p90"))
+    return txt + (f" ({v['overlaps']} overlapped)" if v.get("overlaps") else "")
+
+
 def _torch_times(run, name, sets, weights, design, calls):
     """Per-call device times (us) of the torch kernel and how many calls began before the
     previous one ended (a programmatic dependent launch can overlap them)."""
     import torch
 
     warps, pdl, graph = design
-    call = lambda q, kv: run(q, kv, *weights, (warps, pdl))  # noqa: E731
+    call = lambda q, kv: run(q, kv, *weights, warps, pdl)  # noqa: E731
     if graph:
         for i in range(len(sets)):
             call(*sets[i])
@@ -127,9 +134,9 @@ def _torch_times(run, name, sets, weights, design, calls):
     return [e.duration_ns / 1e3 for e in ev], overlaps
 
 
-def _check(run, torch_set, weights, design):
+def _check(run, torch_set, weights, warps, pdl):
     """The reference against a float64 NumPy RMSNorm (bf16 output: 2**-7 relative)."""
-    q_out, kv_out = run(*torch_set, *weights, design)
+    q_out, kv_out = run(*torch_set, *weights, warps, pdl)
     for x, w, y in ((torch_set[0], weights[0], q_out), (torch_set[1], weights[1], kv_out)):
         x64, w64 = x.double().cpu().numpy(), w.double().cpu().numpy()
         want = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + EPS) * w64
@@ -168,9 +175,9 @@ def main(argv=None):
                   jax.random.normal(jax.random.fold_in(key, 2 * s + 1), (t, DKV), jnp.bfloat16))
                  for s in range(max(n_sets))]
         failed = {}
-        for label, d in designs.items():
+        for label, (warps, pdl, _) in designs.items():
             try:
-                _check(run, tsets[0], tw, d[:2])
+                _check(run, tsets[0], tw, warps, pdl)
             except AssertionError:
                 raise
             except Exception as e:  # e.g. a Triton without PDL: say so, time the rest
@@ -195,17 +202,12 @@ def main(argv=None):
              "(`python -m bench.inspection.beside_qkv`). `design_wN`: the reference kernel with "
              "N warps; `+pdl`: launched with programmatic dependent launch (as vLLM does on "
              "Hopper); `+graph`: the calls replayed from one CUDA graph; `(n overlapped)`: calls "
-             "that began before the previous one ended. `sets`: input sets cycled (the benchmark cycles 32).", "",
+             "that began before the previous one ended. `sets`: input sets cycled "
+             "(the benchmark cycles 32).", "",
              "| T | sets (MB each) | " + " | ".join(cols) + " |",
              "|---|---|" + "---|" * len(cols)]
-    def cell(v):
-        if "error" in v:
-            return "failed (json)"
-        txt = " / ".join(f"{v[k]:.2f}" for k in ("p10", "median", "p90"))
-        return txt + (f" ({v['overlaps']} overlapped)" if v.get("overlaps") else "")
-
     for r in rows:
-        cells = [cell(r[c]) for c in cols]
+        cells = [_cell(r[c]) for c in cols]
         lines.append(f"| {r['tokens']} | {r['sets']} ({r['set_mb']:.2f}) | " + " | ".join(cells) + " |")
     md = "\n".join(lines)
     write_report(args.out, "beside_qkv", md, {"jax": jax.__version__, "torch": torch.__version__,
