@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import zlib
 
 import jax
 import numpy as np
@@ -16,6 +17,11 @@ SEED = int(os.environ.get("K3PALLAS_TEST_SEED", random.SystemRandom().randrange(
 def pytest_report_header(config):
     return (f"k3pallas: K3PALLAS_TEST_SEED={SEED}, jax {jax.__version__}, "
             f"backend {jax.default_backend()}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The seed again at the end of every run: ``-q`` (the README's command) hides the header."""
+    terminalreporter.write_line(f"k3pallas: K3PALLAS_TEST_SEED={SEED} replays this run's data")
 
 
 def has_gpu() -> bool:
@@ -34,7 +40,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def rng(request):
     """A generator seeded from the run's seed and the test's id: fresh per run, replayable."""
-    return np.random.default_rng([SEED, abs(hash(request.node.nodeid)) % (2**31)])
+    # crc32, not hash(): str hashes change from process to process (PYTHONHASHSEED).
+    return np.random.default_rng([SEED, zlib.crc32(request.node.nodeid.encode())])
 
 
 @pytest.fixture

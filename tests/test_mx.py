@@ -220,9 +220,15 @@ def _norm64(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * f64(w)
 
 
+def _norm32(x, w, eps):
+    """The joint norms' reference q ``y`` in float32 (``reference.fused_q_kv_rmsnorm_mx``)."""
+    xf = x.astype(jnp.float32)
+    return xf * reference._inv_rms(xf, eps) * w.astype(jnp.float32)
+
+
 def op_cases(rng):
     """(name, call(impl, fmt), float64 y of the quantized output, float32 y (the reference's
-    own), extra outputs' checks)."""
+    own))."""
     T = 5
     x, g, w = rand(rng, (T, 12, 128)), rand(rng, (T, 12, 128), spread=2), rand(rng, (128,), jnp.float32, 0)
     a, b = rand(rng, (T, 1536)), rand(rng, (T, 1536), spread=2)
@@ -240,10 +246,10 @@ def op_cases(rng):
          y_gated, reference._gated_f32(x, w, g, 1e-5, "sigmoid").reshape(T, -1)),
         ("fused_q_kv_rmsnorm_quant",
          lambda impl, fmt: kp.fused_q_kv_rmsnorm_quant(q, kv, wq, wkv, out_format=fmt, impl=impl),
-         _norm64(q, wq, 1e-6), None),
+         _norm64(q, wq, 1e-6), _norm32(q, wq, 1e-6)),
         ("mla_q_kv_norm_quant",
          lambda impl, fmt: kp.mla_q_kv_norm_quant(packed, wq, wkv, out_format=fmt, impl=impl),
-         _norm64(packed[:, :1536], wq, 1e-6), None),
+         _norm64(packed[:, :1536], wq, 1e-6), _norm32(packed[:, :1536], wq, 1e-6)),
     ]
 
 
@@ -269,8 +275,10 @@ def test_ops_against_the_float64_oracle(rng, impl, fmt):
 def test_codes_equal_jax_s_own_quantization(rng, fmt):
     """The standalone quant, kernel and reference: bytes equal to jax's own MX quantization of
     the same values, data and scales. The fused ops' references: equal to jax's quantization of
-    their float32 ``y``; their kernels equal the reference (interpret mode computes the same
-    float32 ``y``)."""
+    their float32 ``y``. Their kernels compute a float32 ``y`` that differs from the reference's
+    by rounding (their own sum order; the sigmoid as rsqrt / exp2), so a code may be one step
+    away where ``y`` sits on a rounding tie (2 MXFP8 codes in 614400 of the gated op, one
+    sample): the kernels equal the reference's quantization of its ``y`` up to that."""
     for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
         x = rand(rng, (9, 2048), dtype, spread=6 if dtype == jnp.float16 else 20)  # finite
         want_d, want_s = jax_quantize(x.astype(jnp.float32), fmt)
@@ -280,12 +288,10 @@ def test_codes_equal_jax_s_own_quantization(rng, fmt):
             assert np.array_equal(codes_bytes(qa.scale), codes_bytes(want_s)), (fmt, dtype, impl)
     for name, fn, _, y32 in op_cases(rng):
         ref, ker = fn("reference", fmt)[0], fn("interpret", fmt)[0]
-        assert np.array_equal(codes_bytes(ref.data), codes_bytes(ker.data)), name
-        assert np.array_equal(codes_bytes(ref.scale), codes_bytes(ker.scale)), name
-        if y32 is not None:
-            d, s = jax_quantize(y32, fmt)
-            assert np.array_equal(codes_bytes(ref.data), codes_bytes(d)), name
-            assert np.array_equal(codes_bytes(ref.scale), codes_bytes(s)), name
+        d, s = jax_quantize(y32, fmt)
+        assert np.array_equal(codes_bytes(ref.data), codes_bytes(d)), name
+        assert np.array_equal(codes_bytes(ref.scale), codes_bytes(s)), name
+        check_mx(ker, f64(y32), fmt, what=f"{name} kernel against the reference's y")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
