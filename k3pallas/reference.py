@@ -28,11 +28,16 @@ def _inv_rms(xf, eps):
     return jnp.where(ms < jnp.inf, jax.lax.rsqrt(ms + eps), jnp.nan)
 
 
-def rmsnorm(x, weight, eps):
-    """``x * rsqrt(mean(x**2, -1) + eps) * weight`` in float32, cast to ``x.dtype``; a row whose
-    float32 sum of squares is not finite is NaN."""
+def _rmsnorm_f32(x, weight, eps):
+    """``x * rsqrt(mean(x**2, -1) + eps) * weight`` in float32 (the normalized ``y`` every
+    reference norm starts from); a row whose float32 sum of squares is not finite is NaN."""
     xf = x.astype(jnp.float32)
-    return (xf * _inv_rms(xf, eps) * weight.astype(jnp.float32)).astype(x.dtype)
+    return xf * _inv_rms(xf, eps) * weight.astype(jnp.float32)
+
+
+def rmsnorm(x, weight, eps):
+    """``_rmsnorm_f32`` cast to ``x.dtype``."""
+    return _rmsnorm_f32(x, weight, eps).astype(x.dtype)
 
 
 def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps, kv_eps):
@@ -55,9 +60,7 @@ def activation_fn(name):
 
 
 def _gated_f32(x, weight, gate, eps, activation):
-    xf = x.astype(jnp.float32)
-    y = xf * _inv_rms(xf, eps) * weight.astype(jnp.float32)
-    return y * activation_fn(activation)(gate.astype(jnp.float32))
+    return _rmsnorm_f32(x, weight, eps) * activation_fn(activation)(gate.astype(jnp.float32))
 
 
 def rmsnorm_gated(x, weight, gate, eps, activation):
@@ -102,9 +105,7 @@ def sigmoid_mul_fp8_per_token(x, gate, fp8):
 def fused_q_kv_rmsnorm_fp8(q_c, kv_c, q_weight, kv_weight, eps, kv_eps, fp8):
     """q normalized in float32 and quantized per token (never rounded to ``q_c.dtype`` first);
     kv as ``rmsnorm``. Returns ``(q data [..., Dq], q scale [..., 1], kv_out)``."""
-    qf = q_c.astype(jnp.float32)
-    y = qf * _inv_rms(qf, eps) * q_weight.astype(jnp.float32)
-    data, scale = per_token_fp8_quant(y, fp8)
+    data, scale = per_token_fp8_quant(_rmsnorm_f32(q_c, q_weight, eps), fp8)
     return data, scale, rmsnorm(kv_c, kv_weight, kv_eps)
 
 
@@ -168,8 +169,7 @@ def rmsnorm_gated_mx(x, weight, gate, eps, activation, mx):
 def fused_q_kv_rmsnorm_mx(q_c, kv_c, q_weight, kv_weight, eps, kv_eps, mx):
     """q normalized in float32 and MX-quantized (never rounded to ``q_c.dtype`` first); kv as
     ``rmsnorm``. Returns ``(q elements [..., Dq], q scales [..., Dq / 32], kv_out)``."""
-    qf = q_c.astype(jnp.float32)
-    data, scale = mx_quantize(_blocks(qf * _inv_rms(qf, eps) * q_weight.astype(jnp.float32)), mx)
+    data, scale = mx_quantize(_blocks(_rmsnorm_f32(q_c, q_weight, eps)), mx)
     return data.reshape(q_c.shape), scale, rmsnorm(kv_c, kv_weight, kv_eps)
 
 
