@@ -272,8 +272,8 @@ def test_codes_equal_jax_s_own_quantization(rng, fmt):
     the same values, data and scales. The fused ops' references: equal to jax's quantization of
     their float32 ``y``. Their kernels compute a float32 ``y`` that differs from the reference's
     by rounding (their own sum order; the sigmoid as rsqrt / exp2), so a code may be one step
-    away where ``y`` sits on a rounding tie (2 MXFP8 codes in 614400 of the gated op, one
-    sample): the kernels equal the reference's quantization of its ``y`` up to that."""
+    away where ``y`` sits on a rounding tie: the kernels equal the reference's quantization of
+    its ``y`` up to that."""
     for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
         x = rand(rng, (9, 2048), dtype, spread=6 if dtype == jnp.float16 else 20)  # finite
         want_d, want_s = jax_quantize(x.astype(jnp.float32), fmt)
