@@ -1,36 +1,27 @@
 """k3pallas: fused Pallas (Triton backend) kernels for LLM inference on AMD ROCm and NVIDIA GPUs.
 
-Public API (``import k3pallas as kp``):
+The public API (``import k3pallas as kp``); each op function takes its output format as
+``out_format`` (None: unquantized; a ``k3pallas.formats`` value or its name):
 
-* ``kp.fused_q_kv_rmsnorm``: MLA's joint q/kv RMSNorm in one launch; ``kp.rmsnorm``: one tensor.
-* ``kp.mla_q_kv_norm``: the same straight from MLA's packed ``[q_c | kv_c | k_pe]`` projection.
-* ``kp.rmsnorm_gated``: per-head ``rmsnorm(x) * weight * act(gate)`` (Kimi Delta Attention).
-* ``kp.rmsnorm_gated_fp8_per_token``: that, fused with dynamic per-token FP8, in one launch.
-* ``kp.per_token_fp8_quant``: dynamic per-token FP8 of an already-normed activation.
-* ``kp.sigmoid_mul_fp8_per_token``: MLA's output gate ``x * sigmoid(gate)`` fused with per-token
-  FP8 (the o_proj input), in one launch.
-* ``kp.fused_q_kv_rmsnorm_fp8`` / ``kp.mla_q_kv_norm_fp8``: the joint norm with q quantized to
-  per-token FP8 (the q_b projection input), in one launch.
-* ``kp.rmsnorm_gated_quant``, ``kp.sigmoid_mul_quant``, ``kp.quantize_activation``,
-  ``kp.fused_q_kv_rmsnorm_quant``, ``kp.mla_q_kv_norm_quant``: the quantizing fusions by
-  ``out_format``: per-token FP8 (the functions above), MXFP8 or MXFP4 (``k3pallas.mx``; the
-  operands of ``jax.nn.scaled_matmul``); ``kp.quantize_weight_mx`` and ``kp.mx_linear``.
-* ``kp.quantize_weight_per_channel`` and ``kp.fp8_linear``: the FP8 matmul that consumes the
-  quantized activation (``linear.py``; XLA's vendor FP8 GEMM, no Pallas).
-* ``kp.QuantizedActivation``, ``kp.default_fp8_dtype`` and the ``FP8_*_MAX`` constants;
-  ``kp.fp8_cast_decisions()``: which FP8 conversion the kernels use, and why.
+* ``rmsnorm``, ``fused_q_kv_rmsnorm`` (MLA's joint q/kv norm, one launch), ``mla_q_kv_norm`` (the
+  same from the packed ``[q_c | kv_c | k_pe]`` projection), ``rmsnorm_gated`` (Kimi Delta
+  Attention's gated norm), ``sigmoid_mul`` (MLA's output gate), ``quantize``;
+* ``quantize_weight`` and ``linear``: the matmul that consumes a quantized activation;
+* ``rmsnorm_gated_fp8_per_token`` and ``per_token_fp8_quant``: the seed system's names, as
+  shorthands for the per-token FP8 format;
+* the formats (``Fp8PerToken``, ``MXFP8``, ``MXFP4``) and records (``QuantizedActivation``,
+  ``QuantizedWeight``); ``default_fp8_dtype``, the ``FP8_*_MAX`` constants; ``current_target``
+  and ``compiling_for`` (the device kernels are built for); ``fp8_cast_decisions()``.
 
-Where things are: ``api.py`` (these functions: argument checks and docs), ``ops.py`` (the op
-table: each op's sharding rule, reference, benchmark shapes; the one dispatch),
-``reference.py`` (the jnp semantics), ``kernels/`` (the backend: Pallas Triton kernels, their
-launch configs in ``kernels/launch.py``, the FP8 conversion choice in ``kernels/fp8_cast.py``),
-``platform.py`` (targets), ``fp8.py`` (format rules and the bit encoder), ``mx.py`` (MX
-format rules), ``sharding.py``
-(partitioning rules), ``linear.py`` (FP8 matmul), ``models/`` (runnable Kimi-K3 blocks),
-``testing.py`` (tooling for tests and bench only), ``_compat.py`` (every private-jax use).
+Where things are: ``api.py`` (the op functions), ``formats.py`` (the formats and records),
+``ops.py`` (the op table and the one call path), ``reference.py`` (the jnp semantics),
+``kernels/`` (the Pallas Triton backend), ``linear.py``, ``platform.py`` (targets),
+``sharding.py`` (partitioning rules), ``fp8.py`` (FP8 element formats and the bit encoder),
+``models/`` (runnable Kimi-K3 blocks), ``testing.py`` (tooling for tests and bench only),
+``_compat.py`` (every private-jax use).
 """
 
-from k3pallas import reference
+from k3pallas import formats, reference
 from k3pallas.api import *  # noqa: F403  (the public functions: api.__all__)
 from k3pallas.api import __all__ as _api_all
 from k3pallas.fp8 import (
@@ -38,17 +29,19 @@ from k3pallas.fp8 import (
     FP8_E4M3FNUZ_MAX,
     FP8_E4M3FNUZ_MAX_AITER,
     FP8_E5M2_MAX,
-    QuantizedActivation,
     default_fp8_dtype,
 )
+from k3pallas.formats import (MXFP4, MXFP8, Fp8PerToken, QuantizedActivation,
+                              QuantizedWeight)
 from k3pallas.kernels.fp8_cast import decisions as fp8_cast_decisions
-from k3pallas.linear import (QuantizedWeight, fp8_linear, mx_linear, quantize_weight_mx,
-                             quantize_weight_per_channel)
-from k3pallas.platform import current_target
+from k3pallas.linear import linear, quantize_weight
+from k3pallas.platform import compiling_for, current_target
 
 __version__ = "0.1.0"
 
 __all__ = [
-    *_api_all, "quantize_weight_per_channel", "fp8_linear", "quantize_weight_mx", "mx_linear", "QuantizedActivation", "QuantizedWeight", "default_fp8_dtype", "current_target", "fp8_cast_decisions",
-    "FP8_E4M3FN_MAX", "FP8_E4M3FNUZ_MAX", "FP8_E4M3FNUZ_MAX_AITER", "FP8_E5M2_MAX", "reference",
+    *_api_all, "quantize_weight", "linear", "Fp8PerToken", "MXFP8", "MXFP4",
+    "QuantizedActivation", "QuantizedWeight", "default_fp8_dtype", "current_target",
+    "compiling_for", "fp8_cast_decisions", "FP8_E4M3FN_MAX", "FP8_E4M3FNUZ_MAX",
+    "FP8_E4M3FNUZ_MAX_AITER", "FP8_E5M2_MAX", "formats", "reference",
 ]

@@ -248,6 +248,23 @@ def known_spec(a) -> tuple | None:
     return spec + (None,) * (a.ndim - len(spec))
 
 
+def known_shards(a, axes) -> int | None:
+    """How many shards mesh ``axes`` (a name or a tuple, from ``known_spec``) cut a dim of ``a``
+    into, from the mesh of its sharding where it is known; None otherwise."""
+    if isinstance(a, jax.core.Tracer):
+        sharding = getattr(jax.typeof(a), "sharding", None)
+    else:
+        sharding = getattr(a, "sharding", None)
+    shape = dict(getattr(getattr(sharding, "mesh", None), "shape", {}) or {})
+    names = axes if isinstance(axes, tuple) else (axes,)
+    if not all(n in shape for n in names):
+        return None
+    out = 1
+    for n in names:
+        out *= shape[n]
+    return out
+
+
 def explicit_axes(a) -> tuple:
     """The mesh axes of type ``Explicit`` that shard ``a`` in its type (inside ``jit`` or
     eagerly), in order; empty for Auto meshes and unsharded arrays."""

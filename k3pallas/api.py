@@ -1,56 +1,56 @@
-"""The public functions: check the arguments, pick the implementation, shape rows, and dispatch.
+"""The public op functions: one per fusion, its output format through one parameter.
 
-No kernel code lives here, and nothing generic: each function checks its arguments, brings them
-to the layout of its op's sharding rule, and calls ``k3pallas.ops.call``. Every function:
+No kernel code lives here: each function checks its arguments, resolves the target once (the
+device its operands, mesh or ``compiling_for`` name) and its output format for it, and calls
+``k3pallas.ops.call``. Every function:
 
 * takes arrays positionally and options as keywords; options are static (Python values), so the
-  functions work inside ``jax.jit`` and ``jax.vmap``;
+  functions work inside ``jax.jit``, ``jax.vmap`` and ``shard_map``;
+* takes ``out_format``: None (default: the output in the input's dtype), a format of
+  ``k3pallas.formats`` (``Fp8PerToken(...)``, ``MXFP8``, ``MXFP4``) or its name
+  (``"fp8_per_token"``, ``"mxfp8"``, ``"mxfp4"``), and then returns a ``QuantizedActivation``;
+  ``fp8_cast`` picks the float32 -> element conversion of the kernels (``k3pallas.kernels.fp8_cast``);
 * accepts any leading shape (flattened to rows) and returns empty outputs for zero rows without
   launching anything;
 * is inference-only: taking a gradient raises ``TypeError`` saying so;
-* runs sharded: its kernel path goes through ``k3pallas.sharding.partitioned`` with the op's
-  rule (``k3pallas.ops``, the op table), so XLA splits it over devices instead of gathering;
+* runs sharded (``k3pallas.sharding``): XLA splits its kernel over devices instead of gathering;
 * chooses an implementation with ``impl``: ``"auto"`` (the Pallas kernel when the target is a GPU,
   cuda or rocm, else the jnp reference), ``"pallas"`` (the compiled kernel; RuntimeError on a
   backend without one, never a silent fallback), ``"interpret"`` (the same kernel in Pallas
-  interpret mode, on any backend) or ``"reference"`` (pure jnp, compiled by XLA).
+  interpret mode, on any backend) or ``"reference"`` (pure jnp, ``k3pallas.reference``).
+
+Errors name the op and the argument: TypeError for a non-array, an unsupported dtype or a traced
+option; ValueError for shapes and values; RuntimeError for ``impl="pallas"`` without a GPU.
 """
 
 from __future__ import annotations
 
-import numbers
-
-import jax
 import jax.numpy as jnp
 
-from k3pallas import fp8 as fp8_lib, mx as mx_lib, platform
+from k3pallas import fp8 as fp8_lib, formats, ops, platform
 from k3pallas._checks import FLOAT_DTYPES, static_positive_float
-from k3pallas.fp8 import QuantizedActivation
-from k3pallas import ops as table
-from k3pallas.ops import IMPLS, call
+from k3pallas.formats import Fp8PerToken, QuantizedActivation
 
-__all__ = ["rmsnorm", "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm_gated", "rmsnorm_gated_fp8_per_token",
-           "per_token_fp8_quant", "sigmoid_mul_fp8_per_token", "fused_q_kv_rmsnorm_fp8",
-           "mla_q_kv_norm_fp8", "quantize_activation", "rmsnorm_gated_quant", "sigmoid_mul_quant",
-           "fused_q_kv_rmsnorm_quant", "mla_q_kv_norm_quant", "IMPLS", "ACTIVATIONS", "OUT_FORMATS"]
+__all__ = ["rmsnorm", "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm_gated", "sigmoid_mul",
+           "quantize", "rmsnorm_gated_fp8_per_token", "per_token_fp8_quant", "IMPLS",
+           "ACTIVATIONS"]
 
+IMPLS = ops.IMPLS
 ACTIVATIONS = ("sigmoid", "silu")
-OUT_FORMATS = mx_lib.OUT_FORMATS
-SUPPORTED_DTYPES = FLOAT_DTYPES
 
 
 # ------------------------------------------------------------------------------------------------
-# Argument checks (each error names the argument and what it got)
+# Argument checks (each error names the op, the argument and what it got)
 # ------------------------------------------------------------------------------------------------
 
 
-def _check_array(op, name, a, *, min_rank=1, dtypes=SUPPORTED_DTYPES):
+def _check_array(op, name, a, *, min_rank=1):
     if not hasattr(a, "shape") or not hasattr(a, "dtype"):
         raise TypeError(f"{op}: {name} must be an array, got {type(a).__name__}")
     if a.ndim < min_rank:
         raise ValueError(f"{op}: {name} must have rank >= {min_rank}, got shape {tuple(a.shape)}")
-    if jnp.dtype(a.dtype) not in dtypes:
-        names = ", ".join(d.name for d in dtypes)
+    if jnp.dtype(a.dtype) not in FLOAT_DTYPES:
+        names = ", ".join(d.name for d in FLOAT_DTYPES)
         raise TypeError(f"{op}: {name} must have a floating dtype among {names}; got {a.dtype}")
     if any(d == 0 for d in a.shape[a.ndim - min_rank:]):
         raise ValueError(f"{op}: {name} must have non-empty trailing dims (the normalized or "
@@ -64,57 +64,122 @@ def _check_weight(op, name, w, length, of):
                          f"got {tuple(w.shape)}")
 
 
-def _check_eps(op, name, eps) -> float:
+def _check_same_shape(op, x, gate):
+    if gate.shape != x.shape:
+        raise ValueError(f"{op}: gate must have the shape of x; got gate {tuple(gate.shape)} and "
+                         f"x {tuple(x.shape)}")
+
+
+def _eps(op, name, eps) -> float:
     try:
         return static_positive_float(name, eps)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{op}: {e}") from None
 
 
-def _check_activation(op, activation):
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
-
-
-def _fp8_params(op, arrays, fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast):
+def _size(op, name, value, minimum) -> int:
     try:
-        return fp8_lib.resolve_fp8_params(fp8_dtype, fp8_max, min_scale, scale_ub,
-                                          fp8_cast=fp8_cast,
-                                          target=platform.current_target(*arrays))
+        return formats._static_int(name, value, minimum)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{op}: {e}") from None
 
 
+class _Call:
+    """One call's target, output format and conversion mode, resolved once."""
+
+    def __init__(self, op, arrays, out_format, fp8_cast, *, required=False):
+        self.op = op
+        self.target = platform.current_target(*arrays)
+        try:
+            if out_format is None:
+                if required:
+                    raise ValueError(f"out_format is required (one of {tuple(formats.FORMATS)} "
+                                     "or a format value)")
+                if fp8_cast is not None:
+                    raise ValueError(f"fp8_cast={fp8_cast!r} applies to a quantized output; "
+                                     "out_format is None")
+                self.fmt = None
+            else:
+                self.fmt = formats.as_format(out_format).resolve(self.target)
+            self.cast = fp8_lib.check_cast_mode(fp8_cast)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{op}: {e}") from None
+
+    def check_width(self, n, what, *, per_token_groups_ok=True):
+        """The format must split ``n`` (``what``) into its scale groups."""
+        fmt = self.fmt
+        if fmt is None:
+            return
+        if fmt.block is None and fmt.groups != 1 and not per_token_groups_ok:
+            raise ValueError(f"{self.op}: fp8_per_token groups={fmt.groups}: this op writes one "
+                             "scale per token (its normalized axis is never sharded); use groups=1")
+        try:
+            fmt.check_width(n, what)
+        except ValueError as e:
+            raise ValueError(f"{self.op}: {e}") from None
+
+    def run(self, impl, arrays, options):
+        return ops.call(self.op, impl, arrays, options, fmt=self.fmt, fp8_cast=self.cast,
+                        target=self.target)
+
+    def record(self, data, scale):
+        return QuantizedActivation._unchecked(data, scale, self.fmt)
+
+
+def _per_token(op, fp8_dtype, fp8_max, min_scale, scale_ub, scale_groups):
+    """The ``Fp8PerToken`` of the seed-named shorthands' keywords."""
+    try:
+        return Fp8PerToken(fp8_dtype, fp8_max, min_scale, scale_ub, scale_groups)
+    except (TypeError, ValueError) as e:
+        msg = str(e).replace("groups must", "scale_groups must")
+        raise type(e)(f"{op}: {msg}") from None
+
+
 # ------------------------------------------------------------------------------------------------
-# Joint q/kv RMSNorm and RMSNorm
+# The norms: rmsnorm, the joint q/kv norm, the packed MLA norm
 # ------------------------------------------------------------------------------------------------
 
 
-def rmsnorm(x, weight, eps=1e-6, *, impl="auto"):
+def rmsnorm(x, weight, eps=1e-6, *, out_format=None, fp8_cast=None, impl="auto"):
     """RMSNorm over the last axis: ``x * rsqrt(mean(x**2, -1) + eps) * weight``.
 
     Args:
       x: ``[..., D]`` float16, bfloat16 or float32; any leading shape.
       weight: ``[D]``, any of those dtypes.
       eps: positive finite Python float (default 1e-6, DeepSeek-V3 / Kimi-K2 MLA).
-      impl: "auto", "pallas", "interpret" or "reference" (see ``k3pallas.api``).
+      out_format: None, or a format quantizing the float32 ``y`` in the same launch (per-token
+        FP8 with one scale per token; MXFP8 / MXFP4 with ``D`` a multiple of 32).
+      fp8_cast, impl: see the module docstring.
 
-    Returns: ``[..., D]`` in ``x.dtype``; math in float32, one cast at the end.
+    Returns: ``[..., D]`` in ``x.dtype``; or ``QuantizedActivation(data [..., D], scale [..., G])``.
 
     Equivalent jnp: ``(xf * jax.lax.rsqrt(jnp.mean(xf**2, -1, keepdims=True) + eps)
     * weight.astype(f32)).astype(x.dtype)`` with ``xf = x.astype(f32)``.
-
-    Raises: TypeError (non-array, unsupported dtype, traced eps, gradient), ValueError (shapes,
-    eps, impl), RuntimeError (impl="pallas" without a GPU target).
     """
-    op = table.RMSNORM.name
+    op = ops.RMSNORM.name
     _check_array(op, "x", x)
     _check_weight(op, "weight", weight, x.shape[-1], "x")
-    eps = _check_eps(op, "eps", eps)
-    return call(op, impl, (x, weight), dict(eps=eps))
+    eps = _eps(op, "eps", eps)
+    c = _Call(op, (x,), out_format, fp8_cast)
+    c.check_width(x.shape[-1], "the last dim of x", per_token_groups_ok=False)
+    out = c.run(impl, (x, weight), dict(eps=eps))
+    return out if c.fmt is None else c.record(*out)
 
 
-def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, impl="auto"):
+def _check_qkv(op, q_c, kv_c, q_weight, kv_weight, eps, kv_eps):
+    _check_array(op, "q_c", q_c)
+    _check_array(op, "kv_c", kv_c)
+    if q_c.shape[:-1] != kv_c.shape[:-1]:
+        raise ValueError(f"{op}: q_c and kv_c must have the same leading dims; got shapes "
+                         f"{tuple(q_c.shape)} and {tuple(kv_c.shape)}")
+    _check_weight(op, "q_weight", q_weight, q_c.shape[-1], "q_c")
+    _check_weight(op, "kv_weight", kv_weight, kv_c.shape[-1], "kv_c")
+    eps = _eps(op, "eps", eps)
+    return eps, (eps if kv_eps is None else _eps(op, "kv_eps", kv_eps))
+
+
+def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, out_format=None,
+                       fp8_cast=None, impl="auto"):
     """RMSNorm of MLA's compressed q and kv latents in ONE kernel launch.
 
     Args:
@@ -123,44 +188,24 @@ def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None,
       q_weight, kv_weight: ``[Dq]`` and ``[Dkv]``, any of those dtypes.
       eps: epsilon of the q norm (default 1e-6; Kimi-K2.5 and later use 1e-5).
       kv_eps: epsilon of the kv norm; defaults to ``eps``.
-      impl: "auto", "pallas", "interpret" or "reference".
+      out_format: q's output format: None, or a format quantizing q's float32 norm in the same
+        launch (never rounded to its dtype first: the input of an FP8 / MX q_b projection); kv
+        stays in its dtype.
+      fp8_cast, impl: see the module docstring.
 
-    Returns: ``(q_out, kv_out)``, each ``rmsnorm`` of its input, in its input's dtype.
-
-    Raises: as ``rmsnorm``; ValueError if the leading dims differ.
+    Returns: ``(q_out, kv_out)``, each ``rmsnorm`` of its input in its input's dtype; with a
+    format, ``(QuantizedActivation q, kv_out)``.
     """
-    op = table.FUSED_Q_KV_RMSNORM.name
-    eps, kv_eps = _check_fused(op, q_c, kv_c, q_weight, kv_weight, eps, kv_eps)
-    return tuple(call(op, impl, (q_c, kv_c, q_weight, kv_weight), dict(eps=eps, kv_eps=kv_eps)))
-
-
-def _check_fused(op, q_c, kv_c, q_weight, kv_weight, eps, kv_eps):
-    _check_array(op, "q_c", q_c)
-    _check_array(op, "kv_c", kv_c)
-    if q_c.shape[:-1] != kv_c.shape[:-1]:
-        raise ValueError(f"{op}: q_c and kv_c must have the same leading dims; got shapes "
-                         f"{tuple(q_c.shape)} and {tuple(kv_c.shape)}")
-    _check_weight(op, "q_weight", q_weight, q_c.shape[-1], "q_c")
-    _check_weight(op, "kv_weight", kv_weight, kv_c.shape[-1], "kv_c")
-    eps = _check_eps(op, "eps", eps)
-    return eps, (eps if kv_eps is None else _check_eps(op, "kv_eps", kv_eps))
-
-
-def _check_size(op, name, value, minimum):
-    """A static integer option (any ``numbers.Integral``, e.g. ``np.int64``; not bool) as int:
-    TypeError for an array or traced value (as for eps), ValueError for anything else."""
-    if isinstance(value, (jax.Array, jax.core.Tracer)):
-        raise TypeError(f"{op}: {name} must be a Python int (a static option), got "
-                        f"{type(value).__name__}")
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
-            or value < minimum):
-        raise ValueError(f"{op}: {name} must be an integer >= {minimum} (a static option), "
-                         f"got {value!r}")
-    return int(value)
+    op = ops.FUSED_Q_KV_RMSNORM.name
+    eps, kv_eps = _check_qkv(op, q_c, kv_c, q_weight, kv_weight, eps, kv_eps)
+    c = _Call(op, (q_c, kv_c), out_format, fp8_cast)
+    c.check_width(q_c.shape[-1], "the last dim of q_c", per_token_groups_ok=False)
+    out = c.run(impl, (q_c, kv_c, q_weight, kv_weight), dict(eps=eps, kv_eps=kv_eps))
+    return tuple(out) if c.fmt is None else (c.record(*out[:2]), out[2])
 
 
 def mla_q_kv_norm(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_size=1536, kv_size=512,
-                  impl="auto"):
+                  out_format=None, fp8_cast=None, impl="auto"):
     """MLA's q/kv RMSNorm straight from the packed projection, in ONE kernel launch.
 
     In DeepSeek-V3 / Kimi-K2 / Kimi-K3, one fused projection of the hidden state gives
@@ -171,415 +216,149 @@ def mla_q_kv_norm(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_size=1
 
     Args:
       qkv_a: ``[..., q_size + kv_size + rope]`` float16 / bfloat16 / float32, ``rope >= 0``.
-      q_weight, kv_weight: ``[q_size]`` and ``[kv_size]``, any of those dtypes.
-      eps: epsilon of the q norm (default 1e-6; Kimi-K2.5 and later use 1e-5).
-      kv_eps: epsilon of the kv norm; defaults to ``eps``.
+      q_weight, kv_weight: ``[q_size]`` and ``[kv_size]``.
+      eps, kv_eps, out_format, fp8_cast, impl: as ``fused_q_kv_rmsnorm``.
       q_size, kv_size: the q and kv LoRA ranks (Python ints; default 1536 and 512).
-      impl: "auto", "pallas", "interpret" or "reference".
 
-    Returns: ``(q_c [..., q_size], kv_c [..., kv_size], k_pe [..., rope])`` in ``qkv_a.dtype``:
-    ``rmsnorm`` of the first two column ranges and a copy of the rest (``rope == 0``: an empty
-    ``k_pe``).
-
-    Raises: as ``rmsnorm``; ValueError if ``qkv_a`` has fewer than ``q_size + kv_size`` columns.
+    Returns: ``(q_c [..., q_size], kv_c [..., kv_size], k_pe [..., rope])`` in ``qkv_a.dtype``
+    (``rope == 0``: an empty ``k_pe``); with a format, q as a ``QuantizedActivation``.
     """
-    op = table.MLA_Q_KV_NORM.name
-    options = _check_packed(op, qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size)
-    q_out, kv_out, *pe = call(op, impl, (qkv_a, q_weight, kv_weight), options)
-    return q_out, kv_out, _k_pe(qkv_a, pe)
-
-
-def _k_pe(qkv_a, pe):
-    """The rope part among a packed norm's results; empty where there is none (the kernel then
-    writes none)."""
-    return pe[0] if pe else jnp.zeros(qkv_a.shape[:-1] + (0,), qkv_a.dtype)
-
-
-def _check_packed(op, qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size) -> dict:
+    op = ops.MLA_Q_KV_NORM.name
     _check_array(op, "qkv_a", qkv_a)
-    q_size = _check_size(op, "q_size", q_size, 1)
-    kv_size = _check_size(op, "kv_size", kv_size, 1)
-    rope = qkv_a.shape[-1] - q_size - kv_size
-    if rope < 0:
+    q_size = _size(op, "q_size", q_size, 1)
+    kv_size = _size(op, "kv_size", kv_size, 1)
+    if qkv_a.shape[-1] < q_size + kv_size:
         raise ValueError(f"{op}: qkv_a's last dim ({qkv_a.shape[-1]}) must hold q_size + kv_size = "
                          f"{q_size + kv_size} columns and the rope part; got shape "
                          f"{tuple(qkv_a.shape)}")
     _check_weight(op, "q_weight", q_weight, q_size, "q_c (q_size)")
     _check_weight(op, "kv_weight", kv_weight, kv_size, "kv_c (kv_size)")
-    eps = _check_eps(op, "eps", eps)
-    kv_eps = eps if kv_eps is None else _check_eps(op, "kv_eps", kv_eps)
-    return dict(q_size=q_size, kv_size=kv_size, eps=eps, kv_eps=kv_eps)
+    eps = _eps(op, "eps", eps)
+    kv_eps = eps if kv_eps is None else _eps(op, "kv_eps", kv_eps)
+    c = _Call(op, (qkv_a,), out_format, fp8_cast)
+    c.check_width(q_size, "q_size", per_token_groups_ok=False)
+    out = c.run(impl, (qkv_a, q_weight, kv_weight),
+                dict(eps=eps, kv_eps=kv_eps, q_size=q_size, kv_size=kv_size))
+    return tuple(out) if c.fmt is None else (c.record(*out[:2]), *out[2:])
 
 
 # ------------------------------------------------------------------------------------------------
-# Gated RMSNorm, its FP8 fusion, and per-token FP8
+# The gated ops: the gated norm and MLA's sigmoid-mul
 # ------------------------------------------------------------------------------------------------
 
-def _check_gated(op, x, weight, gate, eps, activation):
-    _check_array(op, "x", x, min_rank=2)
-    _check_array(op, "gate", gate, min_rank=2)
-    if gate.shape != x.shape:
-        raise ValueError(f"{op}: gate must have the shape of x; got gate {tuple(gate.shape)} and "
-                         f"x {tuple(x.shape)}")
-    _check_weight(op, "weight", weight, x.shape[-1], "x")
-    _check_activation(op, activation)
-    return _check_eps(op, "eps", eps)
 
-
-def rmsnorm_gated(x, weight, gate, eps=1e-5, *, activation="sigmoid", impl="auto"):
-    """Gated RMSNorm per head: ``rmsnorm(x) * weight * act(gate)``, in that order.
+def rmsnorm_gated(x, weight, gate, eps=1e-5, *, activation="sigmoid", out_format=None,
+                  fp8_cast=None, impl="auto"):
+    """Gated RMSNorm per head: ``rmsnorm(x) * weight * act(gate)``, in that order (Kimi Delta
+    Attention's output norm).
 
     Args:
       x: ``[..., H, D]`` float16 / bfloat16 / float32; normalized over D for each head.
+        Quantized outputs need ``[..., T, H, D]`` (rank >= 3: the scale is per token).
       weight: ``[D]``, shared by the heads.
       gate: ``[..., H, D]``, the shape of x; its dtype may differ.
       eps: default 1e-5 (Kimi Delta Attention).
       activation: "sigmoid" (KDA) or "silu" (swish).
-      impl: "auto", "pallas", "interpret" or "reference".
+      out_format: None, or a format quantizing each token's float32 ``H * D`` values in the same
+        launch: per-token FP8 (``groups`` must divide H: one scale per group of heads), MXFP8 /
+        MXFP4 (``D`` a multiple of 32: a block never crosses a head).
+      fp8_cast, impl: see the module docstring.
 
-    Returns: ``[..., H, D]`` in ``x.dtype``; float32 math, one cast at the end.
+    Returns: ``[..., H, D]`` in ``x.dtype``; with a format, ``QuantizedActivation(data
+    [..., T, H * D], scale [..., T, G])``: the o_proj input.
 
     Equivalent jnp: ``(rmsnorm_f32(x) * weight.astype(f32) * act(gate.astype(f32))).astype(x.dtype)``.
     """
-    op = table.RMSNORM_GATED.name
-    eps = _check_gated(op, x, weight, gate, eps, activation)
-    return call(op, impl, (x, weight, gate), dict(eps=eps, activation=activation))
+    op = ops.RMSNORM_GATED.name
+    _check_array(op, "x", x, min_rank=2)
+    _check_array(op, "gate", gate, min_rank=2)
+    _check_same_shape(op, x, gate)
+    _check_weight(op, "weight", weight, x.shape[-1], "x")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    eps = _eps(op, "eps", eps)
+    c = _Call(op, (x, gate), out_format, fp8_cast)
+    if c.fmt is not None:
+        if x.ndim < 3:  # [H, D] or [T, H*D] would be ambiguous: the scale is per token
+            raise ValueError(f"{op}: a quantized output needs x and gate [..., T, H, D] (rank >= "
+                             f"3: tokens, heads, head dim; one token: x[None]); got shape "
+                             f"{tuple(x.shape)}")
+        heads, dim = x.shape[-2:]
+        if c.fmt.block is None:
+            c.check_width(heads, "the number of heads")
+        else:
+            c.check_width(dim, "the head dim (last axis of x)")
+    out = c.run(impl, (x, weight, gate), dict(eps=eps, activation=activation))
+    return out if c.fmt is None else c.record(*out)
 
 
-def _check_groups(op, scale_groups, n, what):
-    scale_groups = _check_size(op, "scale_groups", scale_groups, 1)
-    if n % scale_groups:
-        raise ValueError(f"{op}: scale_groups={scale_groups} must divide {what} ({n})")
-    return scale_groups
-
-
-def rmsnorm_gated_fp8_per_token(x, weight, gate, eps=1e-5, *, activation="sigmoid",
-                                fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None,
-                                scale_groups=1, fp8_cast=None, impl="auto") -> QuantizedActivation:
-    """Gated RMSNorm fused with dynamic per-token FP8, ONE launch.
-
-    ``y = rmsnorm(x) * weight * act(gate)`` per head (as ``rmsnorm_gated``, in float32), then one
-    FP8 scale per token over all heads; ``y`` itself never goes through memory.
-
-    Args:
-      x, gate: ``[..., T, H, D]``, rank >= 3 (tokens, heads, head dim: the scale is per token);
-        weight ``[D]``; eps (default 1e-5); activation "sigmoid" | "silu".
-      fp8_dtype, fp8_max, min_scale, scale_ub, scale_groups, fp8_cast: as in
-        ``per_token_fp8_quant`` (``scale_groups`` counts groups of heads).
-      impl: "auto", "pallas", "interpret" or "reference".
-
-    Returns: ``QuantizedActivation(data [..., H*D] fp8, scale [..., G] float32)``.
-
-    Raises: TypeError / ValueError naming the bad argument; RuntimeError for impl="pallas"
-    without a GPU target; TypeError on any gradient.
-    """
-    op = table.RMSNORM_GATED_FP8_PER_TOKEN.name
-    eps = _check_gated(op, x, weight, gate, eps, activation)
-    if x.ndim < 3:  # [H, D] or [T, H*D] would be ambiguous: the scale is per token
-        raise ValueError(f"{op}: x and gate must be [..., T, H, D] (rank >= 3: tokens, heads, head "
-                         f"dim; one token: x[None]); got shape {tuple(x.shape)}")
-    q = _fp8_params(op, (x, gate), fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
-    heads, dim = x.shape[-2:]
-    groups = _check_groups(op, scale_groups, heads, "the number of heads")
-    lead = x.shape[:-2]
-    # Groups of heads as rows of their own: [..., G, H / G, D].
-    xg = x.reshape(lead + (groups, heads // groups, dim))
-    data, scale = call(op, impl, (xg, weight, gate.reshape(xg.shape)),
-                       dict(eps=eps, activation=activation, fp8=q), originals=(x, weight, gate))
-    return QuantizedActivation(data.reshape(lead + (heads * dim,)), scale.reshape(lead + (groups,)))
-
-
-
-
-def per_token_fp8_quant(x, *, fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None,
-                        scale_groups=1, fp8_cast=None, impl="auto") -> QuantizedActivation:
-    """Dynamic per-token FP8 of ``x [..., N]`` (an already-normed activation).
-
-    vLLM's semantics, per token (per scale group): ``amax = max|x|``;
-    ``scale = max(min(amax, scale_ub) / fp8_max, min_scale)``;
-    ``data = round_to_nearest_even(clamp(x / scale, -fp8_max, fp8_max))``. A zero row gets
-    ``scale = min_scale`` and zero codes; a row with a NaN or an infinity gets a NaN scale and NaN
-    codes, and no other row changes.
-
-    Args:
-      x: ``[..., N]`` float16 / bfloat16 / float32.
-      fp8_dtype: ``float8_e4m3fn``, ``float8_e4m3fnuz`` or ``float8_e5m2``; default by device
-        (``default_fp8_dtype``: e4m3fnuz on gfx94x, e4m3fn elsewhere).
-      fp8_max: default 448 (e4m3fn), 224 (e4m3fnuz, as vLLM; AITER uses 240), 57344 (e5m2);
-        from 4 to the format's largest finite value.
-      min_scale: default ``1 / (fp8_max * 512)``; from 2**-126 to 2**126.
-      scale_ub: optional upper bound on ``amax`` (default None).
-      scale_groups: ``G`` (default 1) dividing ``N``: one scale per token for each of ``G``
-        equal, contiguous column groups, ``scale [..., G]``. Sharded over heads, a multiple of
-        the shard count keeps every scale on one device; ``G = 1`` takes the maximum across them
-        (``k3pallas.sharding``).
-      fp8_cast: the float32 -> FP8 conversion in the kernel: "auto" (the hardware's where a
-        device self-check showed it equal to the integer encoder, else the encoder), "native",
-        "encoder" or "native_unchecked" (ahead-of-time only); None: ``$K3PALLAS_FP8_CAST``, else
-        "auto". The codes are the same either way; ``kp.fp8_cast_decisions()`` says what was
-        decided. Ignored by ``impl="reference"``.
-      impl: "auto", "pallas", "interpret" or "reference".
-
-    Returns: ``QuantizedActivation(data [..., N] fp8, scale [..., G] float32)``.
-
-    Raises: TypeError / ValueError naming the bad argument; RuntimeError for impl="pallas"
-    without a GPU target; TypeError on any gradient.
-    """
-    op = table.PER_TOKEN_FP8_QUANT.name
-    _check_array(op, "x", x)
-    q = _fp8_params(op, (x,), fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
-    n = x.shape[-1]
-    groups = _check_groups(op, scale_groups, n, "the last dim of x")
-    lead = x.shape[:-1]
-    data, scale = call(op, impl, (x.reshape(lead + (groups, n // groups)),), dict(fp8=q),
-                       originals=(x,))
-    return QuantizedActivation(data.reshape(x.shape), scale.reshape(lead + (groups,)))
-
-
-
-
-def _check_x_gate(op, x, gate):
-    _check_array(op, "x", x)
-    _check_array(op, "gate", gate)
-    if gate.shape != x.shape:
-        raise ValueError(f"{op}: gate must have the shape of x; got gate {tuple(gate.shape)} and "
-                         f"x {tuple(x.shape)}")
-
-
-def sigmoid_mul_fp8_per_token(x, gate, *, fp8_dtype=None, fp8_max=None, min_scale=None,
-                              scale_ub=None, scale_groups=1, fp8_cast=None,
-                              impl="auto") -> QuantizedActivation:
-    """MLA's output gate fused with dynamic per-token FP8, ONE launch.
-
-    ``y = x * sigmoid(gate)`` in float32 (Kimi-K3's gated MLA output, the o_proj input), then
-    per-token FP8 of ``y``; ``y`` itself never goes through memory.
+def sigmoid_mul(x, gate, *, out_format=None, fp8_cast=None, impl="auto"):
+    """MLA's output gate ``x * sigmoid(gate)`` in float32 (Kimi-K3's gated MLA output, the o_proj
+    input), in ONE launch; ``y`` itself never goes through memory when quantized.
 
     Args:
       x, gate: ``[..., N]`` float16 / bfloat16 / float32, the same shape (``N = H * D``: 96 x 128
         for the whole Kimi-K3 layer, 12 x 128 per TP8 rank); their dtypes may differ.
-      fp8_dtype, fp8_max, min_scale, scale_ub, scale_groups, fp8_cast: as in
-        ``per_token_fp8_quant``.
-      impl: "auto", "pallas", "interpret" or "reference".
+      out_format: None, or a format over each token's ``N`` values (per-token FP8: ``groups``
+        dividing N; MXFP8 / MXFP4: N a multiple of 32).
+      fp8_cast, impl: see the module docstring.
 
-    Returns: ``QuantizedActivation(data [..., N] fp8, scale [..., G] float32)``.
-
-    Raises: as ``per_token_fp8_quant``.
+    Returns: ``[..., N]`` in ``x.dtype``; or ``QuantizedActivation(data [..., N], scale [..., G])``.
     """
-    op = table.SIGMOID_MUL_FP8_PER_TOKEN.name
-    _check_x_gate(op, x, gate)
-    q = _fp8_params(op, (x, gate), fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
-    n = x.shape[-1]
-    groups = _check_groups(op, scale_groups, n, "the last dim of x")
-    lead = x.shape[:-1]
-    xg = x.reshape(lead + (groups, n // groups))
-    data, scale = call(op, impl, (xg, gate.reshape(xg.shape)), dict(fp8=q), originals=(x, gate))
-    return QuantizedActivation(data.reshape(x.shape), scale.reshape(lead + (groups,)))
-
-
-
-
-def fused_q_kv_rmsnorm_fp8(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None,
-                           fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None,
-                           fp8_cast=None, impl="auto"):
-    """Joint q/kv RMSNorm with q quantized to per-token FP8, ONE launch.
-
-    As ``fused_q_kv_rmsnorm`` (same arguments). q is normalized in float32 and quantized from
-    there (never rounded to its dtype first), one scale per token over its ``Dq`` columns: the
-    input of an FP8 q_b projection. kv is normalized in its dtype, as in the bf16 op (within one
-    ulp of it: the two launches may sum in another order).
-
-    Args: as ``fused_q_kv_rmsnorm``; fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast as in
-    ``per_token_fp8_quant``.
-
-    Returns: ``(QuantizedActivation(q data [..., Dq] fp8, scale [..., 1] float32), kv_out)``.
-    """
-    op = table.FUSED_Q_KV_RMSNORM_FP8.name
-    eps, kv_eps = _check_fused(op, q_c, kv_c, q_weight, kv_weight, eps, kv_eps)
-    q = _fp8_params(op, (q_c, kv_c), fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
-    data, scale, kv_out = call(op, impl, (q_c, kv_c, q_weight, kv_weight),
-                               dict(eps=eps, kv_eps=kv_eps, fp8=q))
-    return QuantizedActivation(data, scale), kv_out
-
-
-def mla_q_kv_norm_fp8(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_size=1536,
-                      kv_size=512, fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None,
-                      fp8_cast=None, impl="auto"):
-    """``mla_q_kv_norm`` with q quantized to per-token FP8, ONE launch.
-
-    As ``mla_q_kv_norm`` (same arguments), q quantized as in ``fused_q_kv_rmsnorm_fp8``.
-
-    Args: as ``mla_q_kv_norm``; fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast as in
-    ``per_token_fp8_quant``.
-
-    Returns: ``(QuantizedActivation(q data [..., q_size], scale [..., 1]), kv_c, k_pe)``.
-    """
-    op = table.MLA_Q_KV_NORM_FP8.name
-    options = _check_packed(op, qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size)
-    q = _fp8_params(op, (qkv_a,), fp8_dtype, fp8_max, min_scale, scale_ub, fp8_cast)
-    data, scale, kv_out, *pe = call(op, impl, (qkv_a, q_weight, kv_weight), dict(options, fp8=q))
-    return QuantizedActivation(data, scale), kv_out, _k_pe(qkv_a, pe)
-
-
-
-
-
-
-# ------------------------------------------------------------------------------------------------
-# The quantizing ops by output format: per-token FP8 (the functions above), MXFP8 or MXFP4
-# ------------------------------------------------------------------------------------------------
-#
-# Each ``*_quant`` function takes ``out_format``: "fp8_per_token" (default) calls the per-token
-# FP8 function of the same fusion with every option; "mxfp8" / "mxfp4" run the fusion's MX op
-# (``k3pallas.ops``), one launch, and take only ``fp8_cast`` besides ``impl`` (the per-token
-# options have no meaning for a power-of-two scale per 32 elements).
-
-
-def _mx_params(op, out_format, fp8_cast, **per_token):
-    """The MX options, or None for per-token FP8; ValueError for a per-token option with MX."""
-    try:
-        out_format = mx_lib.check_out_format(out_format)
-    except ValueError as e:
-        raise ValueError(f"{op}: {e}") from None
-    if out_format == "fp8_per_token":
-        return None
-    given = [k for k, v in per_token.items() if v is not None and not (k == "scale_groups" and v == 1)]
-    if given:
-        raise ValueError(f"{op}: {', '.join(given)} apply to out_format='fp8_per_token' only; "
-                         f"{out_format} has one power-of-two (e8m0) scale per {mx_lib.BLOCK} "
-                         f"elements and the element format {mx_lib.mx_format(out_format).dtype.name}")
-    try:
-        return mx_lib.resolve_mx_params(out_format, fp8_cast)
-    except ValueError as e:
-        raise ValueError(f"{op}: {e}") from None
-
-
-def _check_blocks(op, what, n):
-    if n % mx_lib.BLOCK:
-        raise ValueError(f"{op}: MX formats scale blocks of {mx_lib.BLOCK} elements, which may not "
-                         f"cross {what}: its size ({n}) must be a multiple of {mx_lib.BLOCK}")
-
-
-def _blocks(a):
-    return a.reshape(a.shape[:-1] + (a.shape[-1] // mx_lib.BLOCK, mx_lib.BLOCK))
-
-
-def quantize_activation(x, *, out_format="fp8_per_token", fp8_dtype=None, fp8_max=None,
-                        min_scale=None, scale_ub=None, scale_groups=None, fp8_cast=None,
-                        impl="auto") -> QuantizedActivation:
-    """Dynamic quantization of ``x [..., N]`` (an already-normed activation) to ``out_format``.
-
-    ``"fp8_per_token"`` (default): ``per_token_fp8_quant`` with the other options.
-    ``"mxfp8"`` / ``"mxfp4"``: MX (``k3pallas.mx``): one e8m0 scale per 32 contiguous elements
-    of a row, jax's own MX rounding; ``N`` a multiple of 32. Returns
-    ``QuantizedActivation(data [..., N] float8_e4m3fn | float4_e2m1fn, scale [..., N / 32]
-    float8_e8m0fnu)``, the operands ``jax.nn.scaled_matmul`` takes (``k3pallas.mx_linear``).
-    ``fp8_cast``: the element conversion, as in ``per_token_fp8_quant`` (MXFP4: the encoder).
-    """
-    op = "quantize_activation"
-    mx = _mx_params(op, out_format, fp8_cast, fp8_dtype=fp8_dtype, fp8_max=fp8_max,
-                    min_scale=min_scale, scale_ub=scale_ub, scale_groups=scale_groups)
-    if mx is None:
-        return per_token_fp8_quant(x, fp8_dtype=fp8_dtype, fp8_max=fp8_max, min_scale=min_scale,
-                                   scale_ub=scale_ub, scale_groups=scale_groups or 1,
-                                   fp8_cast=fp8_cast, impl=impl)
-    name = table.MX_QUANT.name
+    op = ops.SIGMOID_MUL.name
     _check_array(op, "x", x)
-    _check_blocks(op, "the last dim of x", x.shape[-1])
-    data, scale = call(name, impl, (_blocks(x),), dict(mx=mx), originals=(x,))
-    return QuantizedActivation(data.reshape(x.shape), scale)
+    _check_array(op, "gate", gate)
+    _check_same_shape(op, x, gate)
+    c = _Call(op, (x, gate), out_format, fp8_cast)
+    c.check_width(x.shape[-1], "the last dim of x")
+    out = c.run(impl, (x, gate), {})
+    return out if c.fmt is None else c.record(*out)
 
 
-def sigmoid_mul_quant(x, gate, *, out_format="fp8_per_token", fp8_dtype=None, fp8_max=None,
-                      min_scale=None, scale_ub=None, scale_groups=None, fp8_cast=None,
-                      impl="auto") -> QuantizedActivation:
-    """MLA's output gate ``x * sigmoid(gate)`` fused with quantization to ``out_format``, ONE
-    launch: ``sigmoid_mul_fp8_per_token`` for "fp8_per_token" (default); for "mxfp8" / "mxfp4"
-    as ``quantize_activation`` of the float32 product (``N`` a multiple of 32; a block never
-    crosses a head of 128)."""
-    op = "sigmoid_mul_quant"
-    mx = _mx_params(op, out_format, fp8_cast, fp8_dtype=fp8_dtype, fp8_max=fp8_max,
-                    min_scale=min_scale, scale_ub=scale_ub, scale_groups=scale_groups)
-    if mx is None:
-        return sigmoid_mul_fp8_per_token(x, gate, fp8_dtype=fp8_dtype, fp8_max=fp8_max,
-                                         min_scale=min_scale, scale_ub=scale_ub,
-                                         scale_groups=scale_groups or 1, fp8_cast=fp8_cast,
-                                         impl=impl)
-    name = table.SIGMOID_MUL_MX.name
-    _check_x_gate(op, x, gate)
-    _check_blocks(op, "the last dim of x", x.shape[-1])
-    data, scale = call(name, impl, (_blocks(x), _blocks(gate)), dict(mx=mx), originals=(x, gate))
-    return QuantizedActivation(data.reshape(x.shape), scale)
+# ------------------------------------------------------------------------------------------------
+# Standalone quantization
+# ------------------------------------------------------------------------------------------------
 
 
-def rmsnorm_gated_quant(x, weight, gate, eps=1e-5, *, activation="sigmoid",
-                        out_format="fp8_per_token", fp8_dtype=None, fp8_max=None, min_scale=None,
-                        scale_ub=None, scale_groups=None, fp8_cast=None,
-                        impl="auto") -> QuantizedActivation:
-    """Gated RMSNorm (``rmsnorm_gated``) fused with quantization to ``out_format``, ONE launch:
-    ``rmsnorm_gated_fp8_per_token`` for "fp8_per_token" (default); for "mxfp8" / "mxfp4" the
-    float32 ``y`` of each head quantized in blocks of 32 of its head dim (``D`` a multiple of
-    32; a block never crosses a head). Returns ``QuantizedActivation(data [..., T, H*D],
-    scale [..., T, H*D / 32] float8_e8m0fnu)`` for MX: the o_proj input of
-    ``jax.nn.scaled_matmul`` (``k3pallas.mx_linear``)."""
-    op = "rmsnorm_gated_quant"
-    mx = _mx_params(op, out_format, fp8_cast, fp8_dtype=fp8_dtype, fp8_max=fp8_max,
-                    min_scale=min_scale, scale_ub=scale_ub, scale_groups=scale_groups)
-    if mx is None:
-        return rmsnorm_gated_fp8_per_token(x, weight, gate, eps, activation=activation,
-                                           fp8_dtype=fp8_dtype, fp8_max=fp8_max,
-                                           min_scale=min_scale, scale_ub=scale_ub,
-                                           scale_groups=scale_groups or 1, fp8_cast=fp8_cast,
-                                           impl=impl)
-    name = table.RMSNORM_GATED_MX.name
-    eps = _check_gated(op, x, weight, gate, eps, activation)
-    if x.ndim < 3:
-        raise ValueError(f"{op}: x and gate must be [..., T, H, D] (rank >= 3: tokens, heads, head "
-                         f"dim; one token: x[None]); got shape {tuple(x.shape)}")
-    _check_blocks(op, "the head dim (last axis of x)", x.shape[-1])
-    data, scale = call(name, impl, (_blocks(x), _blocks(weight), _blocks(gate)),
-                       dict(eps=eps, activation=activation, mx=mx), originals=(x, weight, gate))
-    lead = x.shape[:-2]
-    return QuantizedActivation(data.reshape(lead + (-1,)), scale.reshape(lead + (-1,)))
+def quantize(x, out_format, *, fp8_cast=None, impl="auto") -> QuantizedActivation:
+    """Dynamic quantization of ``x [..., N]`` (an already-normed activation) to ``out_format``,
+    ONE launch: per-token FP8 (``Fp8PerToken`` / ``"fp8_per_token"``), MXFP8 or MXFP4.
+
+    Args:
+      x: ``[..., N]`` float16 / bfloat16 / float32.
+      out_format: the format (required); its rules: ``k3pallas.formats``.
+      fp8_cast, impl: see the module docstring.
+
+    Returns: ``QuantizedActivation(data [..., N], scale [..., G])``.
+    """
+    op = ops.QUANTIZE.name
+    _check_array(op, "x", x)
+    c = _Call(op, (x,), out_format, fp8_cast, required=True)
+    c.check_width(x.shape[-1], "the last dim of x")
+    return c.record(*c.run(impl, (x,), {}))
 
 
-def fused_q_kv_rmsnorm_quant(q_c, kv_c, q_weight, kv_weight, eps=1e-6, *, kv_eps=None,
-                             out_format="fp8_per_token", fp8_dtype=None, fp8_max=None,
-                             min_scale=None, scale_ub=None, fp8_cast=None, impl="auto"):
-    """The joint q/kv RMSNorm with q quantized to ``out_format``, ONE launch:
-    ``fused_q_kv_rmsnorm_fp8`` for "fp8_per_token" (default); for "mxfp8" / "mxfp4" q's float32
-    norm in blocks of 32 (``Dq`` a multiple of 32): ``(QuantizedActivation(q data [..., Dq],
-    scale [..., Dq / 32] float8_e8m0fnu), kv_out)``."""
-    op = "fused_q_kv_rmsnorm_quant"
-    mx = _mx_params(op, out_format, fp8_cast, fp8_dtype=fp8_dtype, fp8_max=fp8_max,
-                    min_scale=min_scale, scale_ub=scale_ub)
-    if mx is None:
-        return fused_q_kv_rmsnorm_fp8(q_c, kv_c, q_weight, kv_weight, eps, kv_eps=kv_eps,
-                                      fp8_dtype=fp8_dtype, fp8_max=fp8_max, min_scale=min_scale,
-                                      scale_ub=scale_ub, fp8_cast=fp8_cast, impl=impl)
-    name = table.FUSED_Q_KV_RMSNORM_MX.name
-    eps, kv_eps = _check_fused(op, q_c, kv_c, q_weight, kv_weight, eps, kv_eps)
-    _check_blocks(op, "the last dim of q_c", q_c.shape[-1])
-    data, scale, kv_out = call(name, impl, (q_c, kv_c, q_weight, kv_weight),
-                               dict(eps=eps, kv_eps=kv_eps, mx=mx))
-    return QuantizedActivation(data, scale), kv_out
+# ------------------------------------------------------------------------------------------------
+# The seed system's names, as shorthands
+# ------------------------------------------------------------------------------------------------
 
 
-def mla_q_kv_norm_quant(qkv_a, q_weight, kv_weight, eps=1e-6, *, kv_eps=None, q_size=1536,
-                        kv_size=512, out_format="fp8_per_token", fp8_dtype=None, fp8_max=None,
-                        min_scale=None, scale_ub=None, fp8_cast=None, impl="auto"):
-    """``mla_q_kv_norm`` with q quantized to ``out_format``, ONE launch: ``mla_q_kv_norm_fp8``
-    for "fp8_per_token" (default); MX as in ``fused_q_kv_rmsnorm_quant`` (``q_size`` a multiple
-    of 32): ``(QuantizedActivation(q data, scale [..., q_size / 32]), kv_c, k_pe)``."""
-    op = "mla_q_kv_norm_quant"
-    mx = _mx_params(op, out_format, fp8_cast, fp8_dtype=fp8_dtype, fp8_max=fp8_max,
-                    min_scale=min_scale, scale_ub=scale_ub)
-    if mx is None:
-        return mla_q_kv_norm_fp8(qkv_a, q_weight, kv_weight, eps, kv_eps=kv_eps, q_size=q_size,
-                                 kv_size=kv_size, fp8_dtype=fp8_dtype, fp8_max=fp8_max,
-                                 min_scale=min_scale, scale_ub=scale_ub, fp8_cast=fp8_cast,
-                                 impl=impl)
-    name = table.MLA_Q_KV_NORM_MX.name
-    options = _check_packed(op, qkv_a, q_weight, kv_weight, eps, kv_eps, q_size, kv_size)
-    _check_blocks(op, "q_size", options["q_size"])
-    data, scale, kv_out, *pe = call(name, impl, (qkv_a, q_weight, kv_weight), dict(options, mx=mx))
-    return QuantizedActivation(data, scale), kv_out, _k_pe(qkv_a, pe)
+def rmsnorm_gated_fp8_per_token(x, weight, gate, eps=1e-5, *, activation="sigmoid",
+                                fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None,
+                                scale_groups=1, fp8_cast=None,
+                                impl="auto") -> QuantizedActivation:
+    """Shorthand: ``rmsnorm_gated(x, weight, gate, eps, activation=activation,
+    out_format=Fp8PerToken(fp8_dtype, fp8_max, min_scale, scale_ub, scale_groups))``: the gated
+    norm fused with dynamic per-token FP8 (the seed fusion), one launch. ``scale_groups`` counts
+    groups of heads."""
+    fmt = _per_token(ops.RMSNORM_GATED.name, fp8_dtype, fp8_max, min_scale, scale_ub, scale_groups)
+    return rmsnorm_gated(x, weight, gate, eps, activation=activation, out_format=fmt,
+                         fp8_cast=fp8_cast, impl=impl)
+
+
+def per_token_fp8_quant(x, *, fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None,
+                        scale_groups=1, fp8_cast=None, impl="auto") -> QuantizedActivation:
+    """Shorthand: ``quantize(x, Fp8PerToken(fp8_dtype, fp8_max, min_scale, scale_ub,
+    scale_groups))``: dynamic per-token FP8 of an already-normed ``x [..., N]`` (vLLM's)."""
+    fmt = _per_token(ops.QUANTIZE.name, fp8_dtype, fp8_max, min_scale, scale_ub, scale_groups)
+    return quantize(x, fmt, fp8_cast=fp8_cast, impl=impl)

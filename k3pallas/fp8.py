@@ -1,5 +1,6 @@
-"""FP8 format rules: dtypes per device, fp8_max defaults, the quantized-activation container, and a
-bit-exact integer encoder from float32 that the Pallas kernels use.
+"""FP8 element formats: dtypes per device, fp8_max defaults, the float32 -> FP8 conversion modes,
+and a bit-exact integer encoder from float32 that the Pallas kernels use. (The output formats that
+use them, per-token FP8 and MX, are values in ``k3pallas.formats``.)
 
 Formats (OCP / AMD naming as in ml_dtypes):
 
@@ -20,35 +21,26 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from k3pallas._checks import static_positive_float
 
 __all__ = [
     "FP8_E4M3FN_MAX", "FP8_E4M3FNUZ_MAX", "FP8_E4M3FNUZ_MAX_AITER", "FP8_E5M2_MAX",
-    "FP8_DTYPES", "QuantizedActivation", "default_fp8_dtype", "default_fp8_max",
-    "fp8_format", "encode_fp8", "Fp8Params", "resolve_fp8_params", "CAST_MODES", "CAST_ENV_VAR",
-    "check_cast_mode", "resolve_cast_mode", "element_format",
+    "FP8_DTYPES", "ElementFormat", "default_fp8_dtype", "default_fp8_max", "fp8_format",
+    "element_format", "encode_fp8", "CAST_MODES", "CAST_ENV_VAR", "check_cast_mode",
+    "resolve_cast_mode",
 ]
 
 FP8_E4M3FN_MAX = 448.0
 FP8_E4M3FNUZ_MAX = 224.0  # vLLM's choice on MI300; the format's largest finite value is 240
 FP8_E4M3FNUZ_MAX_AITER = 240.0  # AITER and the Kimi-K3 fused kernel
 FP8_E5M2_MAX = 57344.0
-MIN_SCALE_DIVISOR = 512.0  # min_scale = 1 / (fp8_max * 512), as vLLM
-# The kernels and XLA divide by the scale as a multiplication by its reciprocal, which GPUs flush
-# to 0 once it is subnormal: scales stay <= 2**126, so every code is exact. With fp8_max >= 4 no
-# row of finite float32 values (amax <= 2**128) reaches that; min_scale is capped there.
-SCALE_MAX = 2.0**126
-FP8_MAX_MIN = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Format:
+class ElementFormat:
     dtype: jnp.dtype
     exp_bits: int
     man_bits: int
@@ -64,27 +56,27 @@ class Fp8Format:
 
 
 _FORMATS = {
-    jnp.dtype(jnp.float8_e4m3fn): Fp8Format(jnp.dtype(jnp.float8_e4m3fn), 4, 3, 7, 448.0,
+    jnp.dtype(jnp.float8_e4m3fn): ElementFormat(jnp.dtype(jnp.float8_e4m3fn), 4, 3, 7, 448.0,
                                             FP8_E4M3FN_MAX, True, 0x7F),
-    jnp.dtype(jnp.float8_e4m3fnuz): Fp8Format(jnp.dtype(jnp.float8_e4m3fnuz), 4, 3, 8, 240.0,
+    jnp.dtype(jnp.float8_e4m3fnuz): ElementFormat(jnp.dtype(jnp.float8_e4m3fnuz), 4, 3, 8, 240.0,
                                               FP8_E4M3FNUZ_MAX, False, 0x80),
-    jnp.dtype(jnp.float8_e5m2): Fp8Format(jnp.dtype(jnp.float8_e5m2), 5, 2, 15, 57344.0,
+    jnp.dtype(jnp.float8_e5m2): ElementFormat(jnp.dtype(jnp.float8_e5m2), 5, 2, 15, 57344.0,
                                           FP8_E5M2_MAX, True, 0x7E),
 }
 FP8_DTYPES = tuple(_FORMATS)
 # MXFP4's element format (OCP e2m1: no infinity, no NaN; ml_dtypes and XLA convert NaN to 0x8).
 # Not an fp8_dtype: only the MX formats (``k3pallas.mx``) use it, through ``element_format``.
-_E2M1 = Fp8Format(jnp.dtype(jnp.float4_e2m1fn), 2, 1, 1, 6.0, 6.0, True, 0x8)
+_E2M1 = ElementFormat(jnp.dtype(jnp.float4_e2m1fn), 2, 1, 1, 6.0, 6.0, True, 0x8)
 
 
-def element_format(dtype) -> Fp8Format:
+def element_format(dtype) -> ElementFormat:
     """The format record of an fp8 dtype or of ``float4_e2m1fn``; TypeError otherwise."""
     if jnp.dtype(dtype) == _E2M1.dtype:
         return _E2M1
     return fp8_format(dtype)
 
 
-def fp8_format(dtype) -> Fp8Format:
+def fp8_format(dtype) -> ElementFormat:
     """The format record of an fp8 dtype; TypeError for anything else."""
     try:
         key = jnp.dtype(dtype)
@@ -92,7 +84,7 @@ def fp8_format(dtype) -> Fp8Format:
         key = None
     if key not in _FORMATS:
         names = ", ".join(d.name for d in FP8_DTYPES)
-        raise TypeError(f"fp8_dtype must be one of {names}; got {dtype!r}")
+        raise TypeError(f"the FP8 dtype (fp8_dtype) must be one of {names}; got {dtype!r}")
     return _FORMATS[key]
 
 
@@ -129,7 +121,8 @@ def default_fp8_dtype(device=None):
                         f"k3pallas.platform.Target or a name; got {type(device).__name__}")
     if target.backend == "rocm" and target.arch == "gfx_unknown":
         raise ValueError(f"the FP8 format of AMD device {target.device_kind!r} is not known to "
-                         "k3pallas (e4m3fnuz on gfx94x, e4m3fn on gfx950); pass fp8_dtype")
+                         "k3pallas (e4m3fnuz on gfx94x, e4m3fn on gfx950); pass the dtype "
+                         "(fp8_dtype=, or Fp8PerToken(dtype=...))")
     if target.backend == "rocm" and target.arch.startswith("gfx94"):
         return jnp.dtype(jnp.float8_e4m3fnuz)
     return jnp.dtype(jnp.float8_e4m3fn)
@@ -165,88 +158,7 @@ def resolve_cast_mode(fp8_cast) -> str:
     return check_cast_mode(fp8_cast)
 
 
-@dataclasses.dataclass(frozen=True)
-class Fp8Params:
-    """Resolved per-token FP8 options, as the kernels and the reference take them (one record
-    from the API to the kernel epilogue)."""
-
-    dtype: jnp.dtype
-    fp8_max: float
-    min_scale: float
-    scale_ub: float | None
-    cast: str | None = None  # the requested float32 -> FP8 conversion (None: $K3PALLAS_FP8_CAST,
-    # else "auto"; resolved per call for the kernel paths)
-    native: bool | None = None  # the conversion a kernel uses, once decided (kernels.quant)
-
-
-def resolve_fp8_params(fp8_dtype=None, fp8_max=None, min_scale=None, scale_ub=None, *,
-                       fp8_cast=None, target=None) -> Fp8Params:
-    """Fill in the defaults (dtype by device, fp8_max by dtype, min_scale by fp8_max) and check.
-
-    ``fp8_max`` may not exceed the format's largest finite value (448 / 240 / 57344): a larger one
-    would overflow the format after the clamp. ``fp8_cast``: see ``k3pallas.kernels.fp8_cast`` (checked
-    here, decided by the kernel backend when it builds a kernel).
-    """
-    from k3pallas import platform
-
-    target = platform.current_target() if target is None else target
-    dtype = default_fp8_dtype(target) if fp8_dtype is None else fp8_format(fp8_dtype).dtype
-    fmt = fp8_format(dtype)
-    fp8_max = (fmt.default_max if fp8_max is None
-               else static_positive_float("fp8_max", fp8_max, low=FP8_MAX_MIN))
-    if fp8_max > fmt.max_finite:
-        raise ValueError(f"fp8_max={fp8_max} exceeds the largest finite {fmt.name} value "
-                         f"{fmt.max_finite}")
-    if min_scale is None:
-        min_scale = 1.0 / (fp8_max * MIN_SCALE_DIVISOR)
-    else:
-        min_scale = static_positive_float("min_scale", min_scale, high=SCALE_MAX)
-    if scale_ub is not None:
-        scale_ub = static_positive_float("scale_ub", scale_ub)
-    return Fp8Params(dtype, fp8_max, min_scale, scale_ub, check_cast_mode(fp8_cast))
-
-
-class QuantizedActivation(NamedTuple):
-    """A quantized activation: ``data [..., N]`` and ``scale [..., G]``, one scale for each of
-    ``G`` equal, contiguous column groups of a token's row.
-
-    * per-token FP8 (``format == "fp8_per_token"``): ``data`` in an fp8 dtype, ``scale`` float32,
-      ``G = 1`` (one per token) or the ``scale_groups`` asked for;
-    * MX (``"mxfp8"`` / ``"mxfp4"``, ``k3pallas.mx``): ``data`` ``float8_e4m3fn`` /
-      ``float4_e2m1fn``, ``scale`` ``float8_e8m0fnu``, ``G = N / 32``: the operands of
-      ``jax.nn.scaled_matmul``.
-
-    ``data * scale`` (per group) approximates the original activation. A NamedTuple, so
-    ``q, scale = qa`` unpacks and it passes through ``jax.jit`` as a pytree.
-    """
-
-    data: jax.Array
-    scale: jax.Array
-
-    @property
-    def format(self) -> str:
-        """"fp8_per_token", "mxfp8" or "mxfp4", from the dtypes."""
-        if jnp.dtype(self.scale.dtype) != jnp.dtype(jnp.float8_e8m0fnu):
-            return "fp8_per_token"
-        return "mxfp4" if jnp.dtype(self.data.dtype) == jnp.dtype(jnp.float4_e2m1fn) else "mxfp8"
-
-    def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """``data.astype(float32) * scale`` per column group, cast to ``dtype``; ``[..., N]``
-        (an e8m0 scale of code 255 is NaN: its block dequantizes to NaN)."""
-        if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-            raise TypeError(f"QuantizedActivation.dequantize: dtype must be floating, got "
-                            f"{jnp.dtype(dtype).name} (the values are not integers)")
-        n, groups = self.data.shape[-1], self.scale.shape[-1]
-        if self.scale.shape[:-1] != self.data.shape[:-1] or groups < 1 or n % groups:
-            raise ValueError(f"QuantizedActivation: scale {tuple(self.scale.shape)} does not fit "
-                             f"data {tuple(self.data.shape)} (scale [..., G], G dividing N)")
-        lead = self.data.shape[:-1]
-        d = self.data.astype(jnp.float32).reshape(lead + (groups, n // groups))
-        s = self.scale.astype(jnp.float32)
-        return (d * s[..., None]).reshape(self.data.shape).astype(dtype)
-
-
-def encode_fp8(v: jax.Array, dtype) -> jax.Array:
+def encode_fp8(v, dtype):
     """float32 -> fp8 code (int32 in [0, 255]), round to nearest even, without a float8 cast; for
     ``float4_e2m1fn`` (MXFP4's element) the 4-bit code in [0, 15] the same way.
 

@@ -1,282 +1,163 @@
-"""Linear layers that consume ``QuantizedActivation``: per-channel FP8 weight quantization and an
-FP8 x FP8 matmul with the per-token and per-channel scales applied to the float32 result; MX
-(MXFP8 / MXFP4) weight quantization and ``mx_linear`` on ``jax.nn.scaled_matmul``.
+"""The consumer of the quantized activations: weight quantization and one linear for every format.
 
-No Pallas here: the matmul is ``jax.lax.dot_general`` on the fp8 operands with
+No Pallas here. Per-token FP8: ``jax.lax.dot_general`` on the fp8 operands with
 ``preferred_element_type=float32``, which XLA's GPU compiler rewrites into a vendor FP8 GEMM
-(``__cublas$lt$matmul$f8``: cuBLASLt on NVIDIA sm_89+, hipBLASLt on AMD MI300 and later; see the
-README for when it does and what it does otherwise). Those GEMMs take only scalar scales, so the
-vector scales (one per token, one per output channel) multiply the float32 result afterwards,
-in one XLA elementwise fusion.
+(``__cublas$lt$matmul$f8``: cuBLASLt on NVIDIA sm_89+, hipBLASLt on AMD MI300 and later; see
+docs/formats.md for when it does and what it does otherwise); those GEMMs take only scalar
+scales, so the per-token and per-channel scales multiply the float32 result afterwards, in one
+XLA elementwise fusion. MX: ``jax.nn.scaled_matmul`` on a GPU (on gfx950 XLA's Triton
+``scaled-dot`` on the MX matrix cores).
 """
 
 from __future__ import annotations
-
-import numbers
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from k3pallas import fp8 as fp8_lib, mx as mx_lib, platform, reference
-from k3pallas._checks import FLOAT_DTYPES as _FLOATS
+from k3pallas import formats, ops, platform
+from k3pallas._checks import FLOAT_DTYPES
+from k3pallas.formats import QuantizedActivation, QuantizedWeight
 
-__all__ = ["QuantizedWeight", "quantize_weight_per_channel", "fp8_linear", "quantize_weight_mx",
-           "mx_linear"]
-
-W_LAYOUTS = ("kn", "nk")
+__all__ = ["quantize_weight", "linear"]
 
 
-def _check_layout(op, w_layout):
-    if w_layout not in W_LAYOUTS:
-        raise ValueError(f"{op}: w_layout must be 'kn' or 'nk', got {w_layout!r}")
+def quantize_weight(w, out_format, *, layout="nk") -> QuantizedWeight:
+    """Quantize a weight ``w [K, N]`` (``x @ w``) for ``linear`` with activations of
+    ``out_format``.
 
+    * per-token FP8 (``"fp8_per_token"`` / ``Fp8PerToken(dtype=, fp8_max=)``): symmetric per
+      output channel, ``scale[n] = max_k |w[k, n]| / fp8_max``, ``data = RNE(w / scale)``; a
+      column of zeros gets ``scale = 1`` (zero codes), a column holding NaN a NaN scale, one
+      holding inf ``scale = inf`` (its finite entries' codes 0, the infinite ones NaN): such a
+      weight has no FP8 form. dtype by device (``default_fp8_dtype``) unless given; ``fp8_max``
+      the format's per-token default. ``min_scale``, ``scale_ub`` and ``groups`` are refused.
+    * MX (``"mxfp8"`` / ``"mxfp4"``): jax's MX rule per output channel and block of 32 along K
+      (K a multiple of 32), the activations' rule.
 
-@jax.tree_util.register_pytree_node_class
-class QuantizedWeight:
-    """A per-channel FP8 weight with its layout: ``data`` fp8, ``[K, N]`` (``layout="kn"``) or
-    ``[N, K]`` (``"nk"``); ``scale [N]`` float32. A pytree (``layout`` is static), so it passes
-    through ``jax.jit``; ``fp8_linear`` reads the layout from it, so the two cannot disagree.
-    ``w8, w_scale = qw`` unpacks the arrays (``fp8_linear`` then needs ``w_layout=``)."""
+    ``layout``: how data and scale are stored: ``"nk"`` (default, data ``[N, K]``: what the FP8
+    GEMMs and ``jax.nn.scaled_matmul`` read without a transpose; with ``"kn"`` XLA transposes
+    the weight in every call, twice the time on an H200) or ``"kn"`` (``[K, N]`` like ``w``).
 
-    def __init__(self, data, scale, layout: str):
-        _check_layout("QuantizedWeight", layout)
-        self.data, self.scale, self.layout = data, scale, layout
-
-    def tree_flatten(self):
-        return (self.data, self.scale), self.layout
-
-    @classmethod
-    def tree_unflatten(cls, layout, children):
-        return cls(*children, layout)
-
-    def __iter__(self):
-        return iter((self.data, self.scale))
-
-    def __repr__(self):
-        return (f"QuantizedWeight(data={getattr(self.data, 'shape', '?')} "
-                f"{getattr(self.data, 'dtype', '?')}, layout={self.layout!r})")
-
-    def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """The ``[K, N]`` weight ``data * scale`` (whatever the stored layout), in ``dtype``; an MX
-        weight (``scale [N, K / 32]`` e8m0) per block of 32 along K."""
-        if jnp.dtype(self.scale.dtype) == jnp.dtype(jnp.float8_e8m0fnu):  # MX, layout "nk":
-            # per block of 32 along K, as an activation's rows
-            return fp8_lib.QuantizedActivation(self.data, self.scale).dequantize().T.astype(dtype)
-        w = self.data.astype(jnp.float32)
-        w = w if self.layout == "kn" else w.T
-        return (w * self.scale).astype(dtype)
-
-
-def _check_weight_matrix(op, w):
+    Returns: a ``QuantizedWeight``. Inference-only: a gradient raises TypeError.
+    """
+    op = "quantize_weight"
     if not hasattr(w, "shape") or not hasattr(w, "dtype"):
         raise TypeError(f"{op}: w must be an array, got {type(w).__name__}")
     if w.ndim != 2 or 0 in w.shape:
         raise ValueError(f"{op}: w must be a non-empty [K, N] matrix, got shape {tuple(w.shape)}")
-    if jnp.dtype(w.dtype) not in _FLOATS:
+    if jnp.dtype(w.dtype) not in FLOAT_DTYPES:
         raise TypeError(f"{op}: w must be float16, bfloat16 or float32, got {w.dtype}")
-
-
-def quantize_weight_per_channel(w, *, fp8_dtype=None, fp8_max=None, w_layout="nk"):
-    """Symmetric per-output-channel FP8 quantization of a weight ``w [K, N]`` (``x @ w``).
-
-    ``w_scale[n] = max_k |w[k, n]| / fp8_max`` and ``w_fp8 = round_to_nearest_even(w / w_scale)``;
-    a column of zeros gets ``w_scale = 1`` (and zero codes); a column holding NaN gets a NaN scale;
-    a column holding an infinity gets ``w_scale = inf`` (its finite entries' codes 0, the
-    infinite ones NaN): such a weight has no FP8 form.
-
-    Args:
-      w: ``[K, N]`` float16 / bfloat16 / float32.
-      fp8_dtype: default by device (``k3pallas.default_fp8_dtype``: e4m3fnuz on MI300-class
-        gfx94x, e4m3fn elsewhere).
-      fp8_max: default the format's per-token default (448 e4m3fn, 224 e4m3fnuz, 57344 e5m2).
-      w_layout: how the codes are stored: ``"nk"`` (default, ``[N, K]``, transposed once here)
-        or ``"kn"`` (``[K, N]`` like ``w``). ``"nk"`` is the fast one: the FP8 GEMMs of
-        cuBLASLt (Hopper) and hipBLASLt read the weight with K contiguous, so with ``"kn"`` XLA
-        transposes the weight in every call (twice the time on an H200: bench/NOTES.md).
-
-    Returns: ``QuantizedWeight(data, scale [N] float32, layout)``: pass it to ``fp8_linear`` as
-    it is (``w8, ws = ...`` also unpacks the two arrays).
-    """
-    op = "quantize_weight_per_channel"
-    _check_weight_matrix(op, w)
-    _check_layout(op, w_layout)
+    if layout not in formats.LAYOUTS:
+        raise ValueError(f"{op}: layout must be 'nk' or 'kn', got {layout!r}")
     try:
-        q = fp8_lib.resolve_fp8_params(fp8_dtype, fp8_max, target=platform.current_target(w))
+        asked = formats.as_format(out_format)
+        if asked.block is None and (asked.min_scale is not None or asked.scale_ub is not None
+                                    or asked.groups != 1):
+            raise ValueError("min_scale, scale_ub and groups apply to activations; a weight has "
+                             "one scale per output channel")
+        fmt = asked.resolve(platform.current_target(w))
+        if fmt.block is not None:
+            fmt.check_width(w.shape[0], "K (the first dim of w)")
     except (TypeError, ValueError) as e:
         raise type(e)(f"{op}: {e}") from None
-    wf = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(wf), axis=0)
-    scale = jnp.where(amax > 0, amax / q.fp8_max, 1.0)
-    scale = jnp.where(jnp.any(jnp.isnan(wf), axis=0), jnp.nan, scale)
-    codes = jnp.clip(wf / scale, -q.fp8_max, q.fp8_max).astype(q.dtype)
-    return QuantizedWeight(codes if w_layout == "kn" else codes.T, scale.astype(jnp.float32), w_layout)
+
+    def quantize(w):
+        wf = w.astype(jnp.float32)
+        if fmt.block is None:
+            amax = jnp.max(jnp.abs(wf), axis=0)
+            scale = jnp.where(amax > 0, amax / fmt.fp8_max, 1.0)
+            scale = jnp.where(jnp.any(jnp.isnan(wf), axis=0), jnp.nan, scale)
+            codes = jnp.clip(wf / scale, -fmt.fp8_max, fmt.fp8_max).astype(fmt.dtype)
+            return codes.T, scale.astype(jnp.float32)  # [N, K], [N]
+        return fmt.quantize(wf.T)  # per output channel n, blocks along K: [N, K], [N, K / 32]
+
+    data, scale = ops.inference_only(op, quantize, w)
+    if layout == "kn":
+        data, scale = data.T, (scale if scale.ndim < 2 else scale.T)
+    return QuantizedWeight._unchecked(data, scale, fmt, layout)
 
 
-def fp8_linear(qa, w_fp8, w_scale=None, *, out_dtype=jnp.bfloat16, w_layout=None, precision=None):
-    """``dequant(qa) @ dequant(w)``: an FP8 x FP8 matmul with float32 accumulation.
+def _same_family(op, qa, qw):
+    a, b = qa.format, qw.format
+    if a.block != b.block or (a.block is not None and a.name != b.name):
+        raise TypeError(f"{op}: the activation is {a.name} and the weight {b.name}; quantize the "
+                        "weight with the activation's format (quantize_weight)")
+    if jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
+        raise TypeError(f"{op}: the activation's elements are {jnp.dtype(a.dtype).name} and the "
+                        f"weight's {jnp.dtype(b.dtype).name}: they must be the same")
+
+
+def linear(qa: QuantizedActivation, qw: QuantizedWeight, *, out_dtype=jnp.bfloat16,
+           precision=None, impl="auto"):
+    """``dequant(qa) @ dequant(qw)``, float32 accumulation, one rounding to ``out_dtype``.
 
     Args:
-      qa: a ``QuantizedActivation`` (or a ``(data, scale)`` pair): ``data [..., K]`` fp8 and
-        ``scale [..., G]`` float32, one scale per token for each of ``G`` equal column groups
-        of ``data`` (``G = 1``: the per-token scale of ``per_token_fp8_quant`` and
-        ``rmsnorm_gated_fp8_per_token``; ``G > 1``: one scale per head group, see
-        ``rmsnorm_gated_fp8_per_token(scale_groups=...)``).
-      w_fp8: the ``QuantizedWeight`` of ``quantize_weight_per_channel`` (its scale and layout
-        come with it); or a bare fp8 array ``[K, N]`` (``w_layout="kn"``) or ``[N, K]``
-        (``"nk"``), in the same fp8 dtype as ``data``, with ``w_scale`` and ``w_layout``.
-      w_scale: with a bare ``w_fp8`` only: ``[N]`` float32 (per output channel) or a scalar
-        (a Python float or a 0-d / ``[1]`` float32 array).
+      qa: a ``QuantizedActivation`` ``[..., K]`` of any format (from an op or built by hand).
+      qw: the ``QuantizedWeight`` of ``quantize_weight`` for the same format (the same element
+        dtype; its layout travels with it), standing for ``w [K, N]``.
       out_dtype: float16, bfloat16 (default) or float32.
-      w_layout: with a bare ``w_fp8``, required: ``"kn"`` or ``"nk"``, as it is stored (there is
-        no default, so that a square weight cannot be read transposed by mistake).
-      precision: passed to ``dot_general`` (default None: XLA's default). XLA maps it onto the
-        FP8 GEMM's accumulation mode; see the README for what was measured on an H200.
+      precision: per-token FP8 only: passed to ``dot_general`` (XLA maps it onto the FP8 GEMM's
+        accumulation mode).
+      impl: "auto": the vendor path (per-token FP8: ``dot_general`` on the fp8 operands; MX:
+        ``jax.nn.scaled_matmul`` on a GPU target, the reference elsewhere: it has no CPU
+        lowering); "reference": the dequantized operands' float32 dot (``Precision.HIGHEST``).
 
-    Returns: ``[..., N]`` in ``out_dtype``:
-    ``sum_g (data_g @ w_g)_f32 * scale[..., g] * w_scale``, rounded once to ``out_dtype``.
-    The fp8 operands go to ``dot_general`` as they are (``preferred_element_type=float32``);
-    with ``G > 1`` it is one batched matmul over the groups and a sum.
+    Returns: ``[..., N]`` in ``out_dtype``. Per-token FP8 with ``G`` scale groups:
+    ``sum_g (data_g @ w_g)_f32 * scale[..., g] * w_scale``, one batched matmul over the groups.
     """
-    op = "fp8_linear"
-    if isinstance(w_fp8, QuantizedWeight):
-        if w_scale is not None:
-            raise TypeError(f"{op}: w_scale comes with the QuantizedWeight; do not pass it too")
-        if w_layout not in (None, w_fp8.layout):
-            raise ValueError(f"{op}: w_layout={w_layout!r} contradicts the QuantizedWeight's "
-                             f"layout {w_fp8.layout!r}")
-        w_fp8, w_scale, w_layout = w_fp8.data, w_fp8.scale, w_fp8.layout
-    elif w_layout is None or w_scale is None:
-        raise TypeError(f"{op}: a bare weight array needs w_scale and w_layout ('kn' or 'nk', as "
-                        "it is stored); or pass the QuantizedWeight of quantize_weight_per_channel")
-    if isinstance(w_scale, numbers.Real) and not isinstance(w_scale, bool):
-        w_scale = jnp.float32(w_scale)
-    try:
-        data, scale = qa
-    except (TypeError, ValueError):
-        raise TypeError(f"{op}: qa must be a QuantizedActivation (data, scale), got "
-                        f"{type(qa).__name__}") from None
-    for name, a in (("qa.data", data), ("qa.scale", scale), ("w_fp8", w_fp8), ("w_scale", w_scale)):
-        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-            raise TypeError(f"{op}: {name} must be an array, got {type(a).__name__}")
-    if jnp.dtype(scale.dtype) == jnp.dtype(jnp.float8_e8m0fnu):
-        raise TypeError(f"{op}: qa is MX ({data.dtype} data, e8m0 scales); use mx_linear with a "
-                        "weight from quantize_weight_mx")
-    if jnp.dtype(data.dtype) not in fp8_lib.FP8_DTYPES:
-        raise TypeError(f"{op}: qa.data must have an fp8 dtype, got {data.dtype}")
-    if jnp.dtype(w_fp8.dtype) != jnp.dtype(data.dtype):
-        raise TypeError(f"{op}: w_fp8 must have qa.data's fp8 dtype {data.dtype}, got {w_fp8.dtype}")
-    _check_layout(op, w_layout)
-    k_axis = 0 if w_layout == "kn" else 1
-    if data.ndim < 1 or w_fp8.ndim != 2 or w_fp8.shape[k_axis] != data.shape[-1]:
-        want = "[K, N]" if w_layout == "kn" else "[N, K]"
-        raise ValueError(f"{op}: need qa.data [..., K] and w_fp8 {want} (w_layout={w_layout!r}) "
-                         f"with the same K; got {tuple(data.shape)} and {tuple(w_fp8.shape)}")
-    k, n = w_fp8.shape if w_layout == "kn" else w_fp8.shape[::-1]
-    if scale.ndim != data.ndim or scale.shape[:-1] != data.shape[:-1]:
-        raise ValueError(f"{op}: qa.scale must have shape data.shape[:-1] + (G,); got data "
-                         f"{tuple(data.shape)} and scale {tuple(scale.shape)}")
-    groups = scale.shape[-1]
-    if groups < 1 or k % groups:
-        raise ValueError(f"{op}: the {groups} scale groups of qa.scale must split K = {k} evenly")
-    if jnp.dtype(scale.dtype) != jnp.dtype(jnp.float32) or jnp.dtype(w_scale.dtype) != jnp.dtype(jnp.float32):
-        raise TypeError(f"{op}: qa.scale and w_scale must be float32; got {scale.dtype} and "
-                        f"{w_scale.dtype}")
-    if w_scale.shape not in ((), (1,), (n,)):
-        raise ValueError(f"{op}: w_scale must have shape ({n},) or be a scalar; got "
-                         f"{tuple(w_scale.shape)}")
+    op = "linear"
+    if not isinstance(qa, QuantizedActivation):
+        raise TypeError(f"{op}: qa must be a QuantizedActivation, got {type(qa).__name__}")
+    if not isinstance(qw, QuantizedWeight):
+        raise TypeError(f"{op}: qw must be a QuantizedWeight (quantize_weight), got "
+                        f"{type(qw).__name__}")
+    _same_family(op, qa, qw)
+    k, n = qw.shape
+    data, scale = qa.data, qa.scale
+    if data.shape[-1] != k:
+        raise ValueError(f"{op}: qa.data [..., K] and the weight [K, N] = {list(qw.shape)} need the "
+                         f"same K; got data {tuple(data.shape)}")
     out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in _FLOATS:
+    if out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"{op}: out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-
+    if impl not in ("auto", "reference"):
+        raise ValueError(f"{op}: impl must be 'auto' or 'reference', got {impl!r}")
     lead = data.shape[:-1]
+    if impl == "reference":
+        a = qa.dequantize().reshape(-1, k)
+        out = jnp.dot(a, qw.dequantize(), precision=lax.Precision.HIGHEST,
+                      preferred_element_type=jnp.float32)
+    elif qa.format.block is None:
+        out = _fp8_per_token(data, scale, qw, k, n, precision)
+    elif platform.current_target(data).is_gpu:
+        w_data, w_scale = (qw.data, qw.scale) if qw.layout == "nk" else (qw.data.T, qw.scale.T)
+        blocks = k // qa.format.block
+        out = jax.nn.scaled_matmul(data.reshape(1, -1, k), w_data[None],
+                                   scale.reshape(1, -1, blocks), w_scale[None],
+                                   preferred_element_type=jnp.float32)
+    else:  # jax.nn.scaled_matmul has no CPU lowering: the same sums, dequantized
+        return linear(qa, qw, out_dtype=out_dtype, impl="reference")
+    return out.reshape(lead + (n,)).astype(out_dtype)
+
+
+def _fp8_per_token(data, scale, qw, k, n, precision):
+    k_axis = 0 if qw.layout == "kn" else 1
+    w, w_scale = qw.data, qw.scale
+    groups = scale.shape[-1]
     if groups == 1:
-        acc = lax.dot_general(data, w_fp8, (((data.ndim - 1,), (k_axis,)), ((), ())),
+        acc = lax.dot_general(data, w, (((data.ndim - 1,), (k_axis,)), ((), ())),
                               precision=precision, preferred_element_type=jnp.float32)
         acc = acc * scale
     else:
         kg = k // groups
         a3 = data.reshape(-1, groups, kg)  # [T, G, K/G]
-        if w_layout == "kn":
-            w3, dims = w_fp8.reshape(groups, kg, n), (((2,), (1,)), ((1,), (0,)))  # [G, K/G, N]
+        if qw.layout == "kn":
+            w3, dims = w.reshape(groups, kg, n), (((2,), (1,)), ((1,), (0,)))  # [G, K/G, N]
         else:
-            w3, dims = w_fp8.reshape(n, groups, kg), (((2,), (2,)), ((1,), (1,)))  # [N, G, K/G]
+            w3, dims = w.reshape(n, groups, kg), (((2,), (2,)), ((1,), (1,)))  # [N, G, K/G]
         part = lax.dot_general(a3, w3, dims, precision=precision,
                                preferred_element_type=jnp.float32)  # [G, T, N]
         s = scale.reshape(-1, groups).T[:, :, None]  # [G, T, 1]
-        acc = jnp.sum(part * s, axis=0).reshape(lead + (n,))
-    return (acc * w_scale).astype(out_dtype)
-
-
-def quantize_weight_mx(w, *, out_format="mxfp4"):
-    """MX quantization of a weight ``w [K, N]`` (``x @ w``) along K, for ``mx_linear``.
-
-    Per output channel ``n`` and block of 32 rows of K: jax's MX rule (``k3pallas.mx``), the
-    same as the activations'. Returns ``QuantizedWeight(data [N, K] float4_e2m1fn |
-    float8_e4m3fn, scale [N, K / 32] float8_e8m0fnu, layout "nk")``: the ``rhs`` and
-    ``rhs_scales`` of ``jax.nn.scaled_matmul``, which reads K contiguous.
-    """
-    op = "quantize_weight_mx"
-    _check_weight_matrix(op, w)
-    if out_format not in mx_lib.MX_FORMATS:
-        raise ValueError(f"{op}: out_format must be one of {mx_lib.MX_FORMATS}, got {out_format!r}")
-    k, n = w.shape
-    if k % mx_lib.BLOCK:
-        raise ValueError(f"{op}: K ({k}) must be a multiple of {mx_lib.BLOCK} (one scale per block)")
-    wt = w.astype(jnp.float32).T.reshape(n, k // mx_lib.BLOCK, mx_lib.BLOCK)
-    data, scale = reference.mx_quantize(wt, mx_lib.MxParams(out_format))
-    return QuantizedWeight(data.reshape(n, k), scale, "nk")
-
-
-def mx_linear(qa, qw, *, out_dtype=jnp.bfloat16, impl="auto"):
-    """``dequant(qa) @ dequant(qw)`` for MX operands: ``jax.nn.scaled_matmul`` on a GPU.
-
-    Args:
-      qa: the ``QuantizedActivation`` of an MX op (``out_format="mxfp8"`` / ``"mxfp4"``):
-        ``data [..., K]``, ``scale [..., K / 32]`` float8_e8m0fnu.
-      qw: the ``QuantizedWeight`` of ``quantize_weight_mx`` (``[N, K]``), same element dtype.
-      out_dtype: float16, bfloat16 (default) or float32.
-      impl: "auto" (``scaled_matmul`` on a GPU target, else the reference), "scaled_matmul"
-        or "reference": the dequantized operands' float32 dot (``Precision.HIGHEST``), the
-        same sums (``jax.nn.scaled_matmul`` has no CPU lowering).
-
-    Returns: ``[..., N]`` in ``out_dtype`` (float32 accumulation, one rounding). On gfx950
-    XLA compiles ``scaled_matmul`` to a Triton ``scaled-dot`` on the MX matrix cores
-    (``v_mfma_scale_*``); elsewhere XLA dequantizes and runs a GEMM (bench/results/rocm_check.md).
-    """
-    op = "mx_linear"
-    if not isinstance(qw, QuantizedWeight):
-        raise TypeError(f"{op}: qw must be the QuantizedWeight of quantize_weight_mx, got "
-                        f"{type(qw).__name__}")
-    try:
-        data, scale = qa
-    except (TypeError, ValueError):
-        raise TypeError(f"{op}: qa must be a QuantizedActivation (data, scale), got "
-                        f"{type(qa).__name__}") from None
-    e8m0 = jnp.dtype(jnp.float8_e8m0fnu)
-    if jnp.dtype(scale.dtype) != e8m0 or jnp.dtype(qw.scale.dtype) != e8m0:
-        raise TypeError(f"{op}: qa and qw must be MX (float8_e8m0fnu scales; got {scale.dtype} "
-                        f"and {qw.scale.dtype}); per-token FP8 goes to fp8_linear")
-    if jnp.dtype(data.dtype) != jnp.dtype(qw.data.dtype):
-        raise TypeError(f"{op}: qa.data ({data.dtype}) and qw.data ({qw.data.dtype}) must be the "
-                        "same MX element format")
-    n, k = qw.data.shape
-    if data.shape[-1] != k or scale.shape != data.shape[:-1] + (k // mx_lib.BLOCK,):
-        raise ValueError(f"{op}: need qa.data [..., K], qa.scale [..., K / 32] and qw [N, K]; got "
-                         f"{tuple(data.shape)}, {tuple(scale.shape)} and {tuple(qw.data.shape)}")
-    out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in _FLOATS:
-        raise TypeError(f"{op}: out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-    if impl not in ("auto", "scaled_matmul", "reference"):
-        raise ValueError(f"{op}: impl must be 'auto', 'scaled_matmul' or 'reference', got {impl!r}")
-    if impl == "auto":
-        impl = "scaled_matmul" if platform.current_target(data).is_gpu else "reference"
-    lead = data.shape[:-1]
-    if impl == "reference":
-        a = fp8_lib.QuantizedActivation(data, scale).dequantize()
-        out = jnp.dot(a.reshape(-1, k), qw.dequantize(), precision=lax.Precision.HIGHEST,
-                      preferred_element_type=jnp.float32)
-    else:
-        out = jax.nn.scaled_matmul(data.reshape(1, -1, k), qw.data[None], scale.reshape(1, -1, k // mx_lib.BLOCK),
-                                   qw.scale[None], preferred_element_type=jnp.float32)
-    return out.reshape(lead + (n,)).astype(out_dtype)
+        acc = jnp.sum(part * s, axis=0).reshape(data.shape[:-1] + (n,))
+    return acc * w_scale

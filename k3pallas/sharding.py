@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -43,12 +44,15 @@ class Rule:
     (``{}`` in it: the operand's name from ``names``). ``reduced``: factors that an output
     reduces over (the scale's heads); the mesh axes sharding them are passed to the local
     function as ``reduce_axes``. ``names``: the input operands' names, for the errors.
+    ``split_whole``: factors counting units that a shard must hold whole (the blocks of a
+    block-scaled format), with a name for the error. Every sharded factor must split evenly.
     """
 
     spec: str
     fixed: tuple[tuple[str, str], ...] = ()
     reduced: tuple[str, ...] = ()
     names: tuple[str, ...] = ()
+    split_whole: tuple[tuple[str, str], ...] = ()  # factors whose shards must be whole units
 
     def describe(self, what: str, operand: int) -> str:
         name = self.names[operand] if operand < len(self.names) else f"operand {operand}"
@@ -67,18 +71,33 @@ def normalized_axis_error(op, what, axes) -> ValueError:
         "(token) axes, or the head axis where the op has one, and replicate this one.")
 
 
-def check_call_shardings(op, impl, row_operands, fixed) -> None:
-    """At call time, where the operands' shardings are known (``_compat.known_spec``):
-    ValueError if a normalized axis is sharded (``fixed``: ``[(array, what), ...]``, their last
-    axes), for every implementation; NotImplementedError for the kernel paths if a row operand
-    is sharded over ``Explicit`` mesh axes (Pallas kernels cannot index such arrays; the jnp
-    reference can)."""
+def block_split_error(op, what, axes, shards, n, block) -> ValueError:
+    return ValueError(
+        f"{op}: {what} ({n} columns) is sharded over mesh axes {axes!r} into {shards} shards of "
+        f"{n / shards:g} columns; a block-scaled format keeps each block of {block} columns on "
+        f"one device, so a shard must hold whole blocks: shard the columns in multiples of "
+        f"{block} per device ({block * shards} in all over {shards} devices), or replicate them.")
+
+
+def check_call_shardings(op, impl, row_operands, whole) -> None:
+    """At call time, where the operands' shardings are known (``_compat.known_spec``), for
+    every implementation: ValueError if the last axis of an operand of ``whole``
+    (``[(array, what, block), ...]``) is sharded, where ``block`` is None (a normalized axis),
+    or into shards that are not whole multiples of ``block``. NotImplementedError for the
+    kernel paths if a row operand is sharded over ``Explicit`` mesh axes (Pallas kernels cannot
+    index such arrays; the jnp reference can)."""
     from k3pallas import _compat
 
-    for a, what in fixed:
+    for a, what, block in whole:
         spec = _compat.known_spec(a)
-        if spec is not None and spec[-1] is not None:
+        if spec is None or spec[-1] is None:
+            continue
+        if block is None:
             raise normalized_axis_error(op, what, spec[-1])
+        shards = _compat.known_shards(a, spec[-1])
+        n = a.shape[-1]
+        if shards is None or n % shards or (n // shards) % block:
+            raise block_split_error(op, what, spec[-1], shards or "?", n, block)
     if impl == "reference":
         return
     for a in row_operands:
@@ -114,6 +133,19 @@ def _plan(op, rule: Rule, mesh, arg_shapes, *, strict: bool):
         if strict and factors.get(f) is not None:
             raise normalized_axis_error(op, rule.describe(what, source[f]), factors[f])
         factors.pop(f, None)
+    if strict:  # a sharded factor must split evenly (shards of whole blocks, for one)
+        whole = dict(rule.split_whole)
+        sizes = dict(mesh.shape)
+        for f, axes in factors.items():
+            i, tensor = source[f], ins[source[f]]
+            dim = arg_shapes[i].shape[arg_shapes[i].ndim - (len(tensor) - 1) + tensor.index(f) - 1]
+            shards = math.prod(sizes[ax] for ax in (axes if isinstance(axes, tuple) else (axes,)))
+            if dim % shards:
+                what = rule.describe(whole.get(f, f"axis {f!r} of {{}}"), i)
+                raise ValueError(
+                    f"{op}: {what} ({dim}) cannot be split evenly over mesh axes {axes!r} "
+                    f"({shards} shards)" + (": shard the columns in whole blocks, or replicate "
+                                            "them" if f in whole else ""))
 
     def sharding(tensor):
         dims = list(lead) if tensor and tensor[0] == "..." else []
@@ -179,7 +211,7 @@ def _batched_as_rows(fn, rule: Rule):
     return call
 
 
-def partitioned(op: str, rule: Rule, local, *, cache_key=(), **statics):
+def partitioned(name: str, rule: Rule, local, *, cache_key=(), **statics):
     """``local(*arrays, reduce_axes=..., **statics)`` as a function XLA partitions by ``rule``.
 
     ``local`` runs on each device's shard (or on the whole arrays without sharding);
@@ -188,7 +220,7 @@ def partitioned(op: str, rule: Rule, local, *, cache_key=(), **statics):
     the trace of a built function per argument shapes, so ``cache_key`` must hold whatever else
     decides what ``local`` traces (``k3pallas.kernels.hooks.trace_key``).
     """
-    return _build(op, rule, local, tuple(sorted(statics.items())), cache_key)
+    return _build(name, rule, local, tuple(sorted(statics.items())), cache_key)
 
 
 def max_over(x, axes):

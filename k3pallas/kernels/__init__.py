@@ -1,25 +1,29 @@
 """The kernel backend: Pallas kernels on its Triton backend (AMD ROCm and NVIDIA CUDA).
 
-The public API (``k3pallas.api``, through ``k3pallas.ops``) calls this package through one face:
+The dispatch (``k3pallas.ops``) calls this package through one face:
 
 * ``entry(op)``: the kernel path of op ``op`` (a name of ``k3pallas.ops.OPS``) on one device's
-  arrays, ``fn(*arrays, op=..., reduce_axes=..., interpret=..., **options)``, with the arrays and
-  options of the op's jnp reference (``k3pallas.reference``) and the results in the layout of the
-  op's sharding rule. Each kernel module lists its entries in ``ENTRIES``, functions named after
-  their ops; ``op`` names the launches and keys their launch configs.
+  arrays in the layout of the op's sharding rule, ``fn(*arrays, op=, fmt=, cast=, target=,
+  interpret=, reduce_axes=, **options)``: ``fmt`` the output format (``k3pallas.formats``,
+  resolved for ``target``; None: unquantized), ``cast`` the float32 -> element conversion mode
+  asked for, ``target`` the device the kernels are built for (``k3pallas.platform.Target``),
+  passed down to everything below. Each kernel module lists its entries in ``ENTRIES``,
+  functions named after their ops.
 
-Everything below that face is the backend's own: how a kernel is launched (``launch``: rows per
-program and Triton's ``num_warps`` / ``num_stages``), whether it converts to FP8 natively
-(``fp8_cast``), the kernels (``rmsnorm``, ``gated_fp8``), and the tiles and the launcher they
-share (``common``). A second backend (for example jax-triton, should Pallas Triton leave jax)
-would be one more package with the same ``entry``.
+Everything below that face is the backend's own: the kernels by family (``norms``: the segments
+kernel of the norms; ``gated``: the gated norm, sigmoid-mul and quantization), the epilogue of
+each kind of output format (``row_scaled``: a scale per token; ``block_scaled``: a scale per
+block), how a kernel is launched (``launch``: rows per program, Triton's ``num_warps`` /
+``num_stages``), whether it converts to FP8 natively (``fp8_cast``), and the tiles, math and
+launcher they share (``common``). A second backend (for example jax-triton, should Pallas Triton
+leave jax) would be one more package with the same ``entry``.
 """
 
 from __future__ import annotations
 
-from k3pallas.kernels import gated_fp8, mx, rmsnorm
+from k3pallas.kernels import gated, norms
 
-_ENTRIES = {fn.__name__: fn for module in (rmsnorm, gated_fp8, mx) for fn in module.ENTRIES}
+_ENTRIES = {fn.__name__: fn for module in (norms, gated) for fn in module.ENTRIES}
 
 
 def entry(op: str):

@@ -1,4 +1,4 @@
-"""What every row kernel shares: the launcher and masked access to padded tiles.
+"""What every row kernel shares: the launcher, masked access to padded tiles, the float32 math.
 
 The Pallas Triton lowering needs every array an operation touches to have a power-of-two size,
 so a row of width 1536 is read through a 2048-wide index range with a mask. The masks are always
@@ -11,19 +11,39 @@ bf16 elements index correctly; see ``check_offsets`` for the one case it misses.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from k3pallas import _compat, platform
+from k3pallas import _compat
 from k3pallas._compat import pl, plgpu
-from k3pallas.kernels import hooks
+from k3pallas.kernels import fp8_cast, hooks
 from k3pallas.kernels.launch import LaunchConfig
+
+
+class Quant(NamedTuple):
+    """The quantized output a kernel writes: its format (``k3pallas.formats``, resolved for the
+    target) and its float32 -> element conversion: the hardware's (``native``) or the integer
+    encoder, as ``fp8_cast`` decided."""
+
+    fmt: object
+    native: bool
+
+
+def quant(fmt, cast: str, *, interpret: bool, target) -> Quant | None:
+    """The ``Quant`` a kernel built for ``target`` writes in format ``fmt`` (None: unquantized)
+    with the conversion mode ``cast`` (``fp8_cast.decide`` may run the device self-check once)."""
+    if fmt is None:
+        return None
+    return Quant(fmt, fp8_cast.decide(fmt.dtype, cast, interpret=interpret, target=target).native)
+
+
+def launch_name(op: str, fmt) -> str:
+    """The launch-config key and kernel name of ``op`` writing format ``fmt`` (None: unquantized)."""
+    return op if fmt is None else f"{op}_{fmt.name}"
 
 
 def as_rows(a, trailing: int):
@@ -110,11 +130,15 @@ def row_mask(n_rows: int, rows: int, nd: int, pid=None):
     return r.reshape((rows,) + (1,) * (nd - 1)) < n_rows
 
 
-# Flush-to-zero transcendentals, on while a kernel for a CUDA GPU is traced (``row_call``):
-# XLA compiles exp2 / rsqrt without flush-to-zero, each with a range check and two predicated
-# multiplies (a quarter of the gated FP8 kernel's instructions, bench/NOTES.md); the .ftz forms
-# have the same accuracy and differ only for subnormal inputs or results.
-_FTZ = contextvars.ContextVar("k3pallas_ftz", default=False)
+# Flush-to-zero transcendentals (``ftz``, decided by the kernel builder: ``flush_to_zero``): XLA
+# compiles exp2 / rsqrt without flush-to-zero, each with a range check and two predicated
+# multiplies (a quarter of the gated FP8 kernel's instructions, docs/performance.md); the .ftz
+# forms have the same accuracy and differ only for subnormal inputs or results. PTX: CUDA only.
+
+
+def flush_to_zero(target, interpret: bool) -> bool:
+    """Whether kernels built for ``target`` use the flush-to-zero forms: compiled for CUDA."""
+    return not interpret and target.backend == "cuda"
 
 
 def _ptx_unary(x, op):
@@ -124,39 +148,42 @@ def _ptx_unary(x, op):
     return out
 
 
-@contextlib.contextmanager
-def _flush_to_zero(on: bool):
-    token = _FTZ.set(on)
-    try:
-        yield
-    finally:
-        _FTZ.reset(token)
-
-
-def exp2(x):
+def exp2(x, ftz: bool):
     """``2 ** x`` of a float32 tile."""
-    return _ptx_unary(x, "ex2.approx.ftz.f32") if _FTZ.get() else jnp.exp2(x)
+    return _ptx_unary(x, "ex2.approx.ftz.f32") if ftz else jnp.exp2(x)
 
 
-def rsqrt(x):
+def rsqrt(x, ftz: bool):
     """``1 / sqrt(x)`` of a float32 tile."""
-    return _ptx_unary(x, "rsqrt.approx.ftz.f32") if _FTZ.get() else jax.lax.rsqrt(x)
+    return _ptx_unary(x, "rsqrt.approx.ftz.f32") if ftz else jax.lax.rsqrt(x)
 
 
-def inv_rms(ms, eps):
+def inv_rms(ms, eps, ftz: bool):
     """``rsqrt(ms + eps)`` for a row's float32 mean square ``ms``, NaN where ``ms`` is not finite.
 
     ``ms`` overflows to inf once the row's sum of squares passes the float32 range (some ``|x|``
     of about 1.8e19 and up, or an inf): ``rsqrt`` would then give 0 and the row a silent zero.
     A NaN row says that it is out of range instead. One compare and select per row.
     """
-    return jnp.where(ms < jnp.inf, rsqrt(ms + eps), jnp.nan)
+    return jnp.where(ms < jnp.inf, rsqrt(ms + eps, ftz), jnp.nan)
 
 
-def row_inv_rms(x, width: int, eps, keepdims: bool = False):
+def row_inv_rms(x, width: int, eps, ftz: bool, keepdims: bool = False):
     """``inv_rms`` of a float32 tile's rows over its last axis of ``width`` real lanes (padded
     lanes hold 0): ``inv_rms(sum(x**2) / width, eps)``."""
-    return inv_rms(jnp.sum(x * x, axis=-1, keepdims=keepdims) / width, eps)
+    return inv_rms(jnp.sum(x * x, axis=-1, keepdims=keepdims) / width, eps, ftz)
+
+
+_LOG2E = 1.4426950408889634
+
+
+def act_fn(g, name: str, ftz: bool):
+    """``sigmoid(g)`` or ``silu(g)`` of a float32 tile: the sigmoid as ``rsqrt(1 + exp2(-g log2
+    e))**2``, one hardware approximation instead of an IEEE division, within a few float32 ulp of
+    ``1 / (1 + e)`` (exactly 1 and 0 at the ends)."""
+    r = rsqrt(1.0 + exp2(g * -_LOG2E, ftz), ftz)
+    sig = r * r
+    return sig if name == "sigmoid" else g * sig
 
 
 INF_BITS = 0x7F800000  # float32 +inf as int32; NaN patterns of |y| are above it
@@ -238,20 +265,19 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
     wrapper = hooks.wrapper()
     if wrapper is not None:
         call = wrapper(call)
-    with _flush_to_zero(not interpret and platform.current_target().backend == "cuda"):
-        return pl.pallas_call(
-            call.kernel,
-            grid=(pl.cdiv(n_rows, rows),) + ((programs_per_block,) if programs_per_block > 1 else ()),
-            in_specs=call.in_specs,
-            out_specs=[row_spec(o.shape) for o in call.out_shapes],
-            out_shape=call.out_shapes,
-            input_output_aliases=call.aliases,
-            compiler_params=_compat.triton_compiler_params(config.num_warps, config.num_stages),
-            interpret=interpret,
-            name=name,
-        )(*call.inputs)
+    return pl.pallas_call(
+        call.kernel,
+        grid=(pl.cdiv(n_rows, rows),) + ((programs_per_block,) if programs_per_block > 1 else ()),
+        in_specs=call.in_specs,
+        out_specs=[row_spec(o.shape) for o in call.out_shapes],
+        out_shape=call.out_shapes,
+        input_output_aliases=call.aliases,
+        compiler_params=_compat.triton_compiler_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name=name,
+    )(*call.inputs)
 
 
-__all__ = ["pow2", "pow2_parts", "tile_index", "lane_index", "row_mask", "exp2", "rsqrt",
-           "inv_rms", "row_inv_rms", "abs_bits", "INF_BITS", "both", "load", "store", "row_call",
-           "check_offsets", "as_rows", "RowCall"]
+__all__ = ["pow2", "pow2_parts", "tile_index", "lane_index", "row_mask", "flush_to_zero", "exp2",
+           "rsqrt", "inv_rms", "row_inv_rms", "act_fn", "abs_bits", "INF_BITS", "both", "load",
+           "store", "row_call", "check_offsets", "as_rows", "RowCall", "Quant", "quant", "launch_name"]

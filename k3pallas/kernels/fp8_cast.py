@@ -54,13 +54,21 @@ def decisions() -> list[CastDecision]:
     return list(_DECISIONS.values())
 
 
+def _element_unavailable(dtype) -> str | None:
+    """The reason no target converts natively to ``dtype`` here (interpret mode included)."""
+    if jnp.dtype(dtype) == jnp.dtype(jnp.float4_e2m1fn):
+        return ("no native float4 conversion is used (NVIDIA sm_90 has none; gfx950's "
+                "v_cvt_scalef32_pk_fp4_f32 would need a gfx950 device for the self-check)")
+    return None
+
+
 def native_unavailable(target: platform.Target, dtype) -> str | None:
     """None if the target's lowering has a native conversion to ``dtype``, else the reason."""
     dtype = jnp.dtype(dtype)
     fn, fnuz = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e4m3fnuz)
-    if dtype == jnp.dtype(jnp.float4_e2m1fn):
-        return ("no native float4 conversion is used (NVIDIA sm_90 has none; gfx950's "
-                "v_cvt_scalef32_pk_fp4_f32 would need a gfx950 device for the self-check)")
+    reason = _element_unavailable(dtype)
+    if reason:
+        return reason
     if target.backend == "cuda":
         if dtype == fnuz:
             return "NVIDIA GPUs have no e4m3fnuz conversion"
@@ -193,8 +201,10 @@ def _attached(target: platform.Target) -> str | None:
     return None
 
 
-def decide(dtype, fp8_cast=None, *, interpret: bool = False, target=None) -> CastDecision:
-    """The conversion path for ``dtype`` on ``target`` (default: ``platform.current_target()``).
+def decide(dtype, fp8_cast, *, interpret: bool, target: platform.Target) -> CastDecision:
+    """The conversion path for ``dtype`` in a kernel built for ``target``; ``fp8_cast``: the
+    mode asked for (None: ``$K3PALLAS_FP8_CAST``, else "auto"). RuntimeError where "native" is
+    asked for and cannot be had.
 
     A native e4m3fnuz decision for a GPU also enables that cast in the lowering
     (``k3pallas._compat.enable_native_fnuz_cast``, for k3pallas kernels only)."""
@@ -218,14 +228,13 @@ def _warn_once(key, message):
 def _decide(dtype, fp8_cast, interpret, target) -> CastDecision:
     mode = fp8_lib.resolve_cast_mode(fp8_cast)
     dtype = jnp.dtype(dtype)
-    target = platform.current_target() if target is None else target
     where = "interpret" if interpret else f"{target.backend} {target.arch}"
     if mode == "encoder":
         return CastDecision(False, mode, where, dtype.name, "asked for the encoder")
     if interpret and mode == "auto":
         return CastDecision(False, mode, where, dtype.name,
                             "interpret mode: the encoder unless fp8_cast='native' is asked for")
-    reason = None if interpret else native_unavailable(target, dtype)
+    reason = _element_unavailable(dtype) if interpret else native_unavailable(target, dtype)
     if reason:
         if mode == "auto":
             if "written for jax" in reason or "not importable" in reason or "expected fp8" in reason:

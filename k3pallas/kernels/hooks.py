@@ -9,7 +9,7 @@ three context managers; nothing at run time sets them:
   (``k3pallas.testing.poisoned_outputs``).
 
 jax caches the trace of a function per argument shapes, so whatever caches a traced kernel entry
-keys it on ``trace_key()`` too (``k3pallas.ops.call``): the hooks and the target in force.
+keys it on ``trace_key()`` too (``k3pallas.ops.call``).
 """
 
 from __future__ import annotations
@@ -70,10 +70,8 @@ def wrapper():
 
 
 def trace_key() -> tuple:
-    """What decides the kernels an entry traces besides its arrays' shapes and its options: the
-    target in force (``platform.compiling_for``) and the hooks. The hook objects themselves
-    (hashed by identity), not their ids: a key keeps them alive, so an id cannot be reused by a
-    later hook while a trace is cached under it."""
-    from k3pallas import platform
-
-    return (platform.target_override(), _FORCED.get(), _RECORDING.get(), _WRAP.get())
+    """What decides the kernels an entry traces besides its arrays' shapes and its options (the
+    target among them): the hooks. The hook objects themselves (hashed by identity), not their
+    ids: a key keeps them alive, so an id cannot be reused by a later hook while a trace is
+    cached under it."""
+    return (_FORCED.get(), _RECORDING.get(), _WRAP.get())

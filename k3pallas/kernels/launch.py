@@ -2,7 +2,8 @@
 per row block.
 
 Backend business (these are Triton's launch parameters): the API never sees them. One pure
-function of the op, the row count, the padded row size and the target (``heuristic_config``),
+function of the launch key (the op and its output format), the row count, the padded row size
+and the target (``heuristic_config``),
 with a tuned table (``tuned_configs.json`` beside this file, written by ``python -m bench.tune``)
 that takes precedence where it has an entry. Kernels never hold launch constants of their own.
 
@@ -20,7 +21,7 @@ import math
 import os
 
 from k3pallas.kernels import hooks
-from k3pallas.platform import Target, current_target
+from k3pallas.platform import Target
 
 __all__ = ["LaunchConfig", "launch_config", "heuristic_config", "tuned_table", "Launch",
            "TUNED_PATH"]
@@ -120,16 +121,16 @@ def tuned_table() -> dict:
 class Launch:
     """One launch as ``recording()`` sees it."""
 
-    op: str  # the launch-config key: the op's name (k3pallas.ops)
+    op: str  # the launch-config key: the op's name, with its output format (common.launch_name)
     n_rows: int
     row_elems: int
     max_tile_row_elems: int
     config: LaunchConfig
 
 
-def launch_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int | None = None,
-                  target: Target | None = None, splits: tuple[int, ...] = ()) -> LaunchConfig:
-    """The launch config for ``op`` on ``target`` (default: ``current_target()``). ``splits``:
+def launch_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int | None = None, *,
+                  target: Target, splits: tuple[int, ...] = ()) -> LaunchConfig:
+    """The launch config for launch key ``op`` (``common.launch_name``) on ``target``. ``splits``:
     the ``LaunchConfig.split`` values above 1 that this kernel can run for this row (a tuned
     entry with another is skipped; a forced one reaches ``common.row_call``, which refuses a
     split the kernel does not launch).
@@ -137,11 +138,6 @@ def launch_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int 
     Whatever its source (forced, tuned table, heuristic), a config with more threads per program
     (``num_warps * warp_size``) than the target allows (``Target.max_threads``, 1024) is a
     ValueError: such a launch is invalid on the device (AMD: 32 warps are 2048 threads)."""
-    from k3pallas import kernels
-
-    if op not in kernels.ops():
-        raise ValueError(f"unknown op {op!r}; the kernels launch {kernels.ops()}")
-    target = current_target() if target is None else target
     max_tile_row_elems = row_elems if max_tile_row_elems is None else max_tile_row_elems
     config, source = hooks.forced_config(), "forced"
     if config is None:

@@ -1,10 +1,9 @@
-"""The per-token FP8 epilogue of the kernels: the conversion path decided per kernel, the per-row
-scale, the codes (integer encoder or the native cast of ``fp8_cast``), and the output structs.
-Shared by every kernel with an FP8 output (``gated_fp8``, ``rmsnorm``)."""
+"""The row-scaled epilogue (per-token FP8, ``formats.Fp8PerToken``): one scale per kernel row, the
+codes (integer encoder or the native cast, as ``fp8_cast`` decided), and the output structs.
+Shared by every kernel with a per-token output (``gated``, ``norms``). ``q``: a ``common.Quant``
+whose format is per-token FP8."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -14,26 +13,19 @@ from k3pallas import fp8 as fp8_lib
 from k3pallas.kernels import common, fp8_cast
 
 
-def kernel_quant(fp8: fp8_lib.Fp8Params, *, interpret: bool) -> fp8_lib.Fp8Params:
-    """``fp8`` with its conversion path decided for this kernel (``native``; ``fp8_cast.decide``
-    may run the device self-check once)."""
-    native = fp8_cast.decide(fp8.dtype, fp8.cast, interpret=interpret).native
-    return dataclasses.replace(fp8, native=native)
-
-
 def _row_reduce(fn, a):
     while a.ndim > 1:
         a = fn(a, axis=-1)
     return a
 
 
-def row_scale(tiles, q: fp8_lib.Fp8Params, *, bits: bool = True):
+def row_scale(tiles, q: common.Quant, *, bits: bool = True):
     """Per-row scale ``[R]`` over float32 tiles ``[R, ...]`` that together hold the rows.
 
     ``bits``: ONE integer max per tile over ``|y|``'s bit patterns gives the maximum and any NaN
     or inf (``common.abs_bits``). Otherwise a float max and a sum that carries a NaN (Triton's
     float max drops NaN): the form the gated FP8 kernel keeps for large token counts, where it
-    measured faster on the H200 (bench/NOTES.md).
+    measured faster on the H200 (docs/performance.md).
     """
     if bits:
         amax_bits = None
@@ -51,33 +43,34 @@ def row_scale(tiles, q: fp8_lib.Fp8Params, *, bits: bool = True):
             total = s if total is None else total + s
         nonfinite = (total != total) | (amax == jnp.inf)
     # A NaN or an infinity anywhere in the row: NaN scale, hence NaN codes. Per-row tests only.
-    if q.scale_ub is not None:
-        amax = jnp.minimum(amax, q.scale_ub)
-    scale = jnp.maximum(amax / q.fp8_max, q.min_scale)
+    if q.fmt.scale_ub is not None:
+        amax = jnp.minimum(amax, q.fmt.scale_ub)
+    scale = jnp.maximum(amax / q.fmt.fp8_max, q.fmt.min_scale)
     return jnp.where(nonfinite, jnp.nan, scale)
 
 
-def codes(y, inv_scale, q: fp8_lib.Fp8Params):
+def codes(y, inv_scale, q: common.Quant):
     v = y * inv_scale
-    if q.scale_ub is not None:
+    if q.fmt.scale_ub is not None:
         # Comparisons, not min/max: NaN must pass through to the encoder.
-        v = jnp.where(v > q.fp8_max, q.fp8_max, jnp.where(v < -q.fp8_max, -q.fp8_max, v))
+        m = q.fmt.fp8_max
+        v = jnp.where(v > m, m, jnp.where(v < -m, -m, v))
     if q.native:
-        return fp8_cast.native_codes(v, q.dtype)
-    return fp8_lib.encode_fp8(v, q.dtype)
+        return fp8_cast.native_codes(v, q.fmt.dtype)
+    return fp8_lib.encode_fp8(v, q.fmt.dtype)
 
 
-def codes_struct(shape, quant: fp8_lib.Fp8Params):
-    return jax.ShapeDtypeStruct(shape, quant.dtype if quant.native else jnp.uint8)
+def codes_struct(shape, quant: common.Quant):
+    return jax.ShapeDtypeStruct(shape, quant.fmt.dtype if quant.native else jnp.uint8)
 
 
-def codes_poison(quant: fp8_lib.Fp8Params):
+def codes_poison(quant: common.Quant):
     """A code that decodes to NaN in the output format (for ``common.poisoned_outputs``)."""
-    return float("nan") if quant.native else fp8_lib.fp8_format(quant.dtype).nan_code
+    return float("nan") if quant.native else fp8_lib.fp8_format(quant.fmt.dtype).nan_code
 
 
-def as_fp8(codes, quant: fp8_lib.Fp8Params):
-    return codes if quant.native else lax.bitcast_convert_type(codes, quant.dtype)
+def as_fp8(codes, quant: common.Quant):
+    return codes if quant.native else lax.bitcast_convert_type(codes, quant.fmt.dtype)
 
 
 def normed_amax(z, inv_rms):

@@ -1,0 +1,547 @@
+"""The output formats of the quantizing ops as values, and the records that carry them.
+
+A format is a frozen value that carries its rules: the element dtype, how many elements share a
+scale, the scale's dtype and rounding, the shapes a record must have, how to quantize (the jnp
+semantics every kernel implements) and how to dequantize. Ops take one as ``out_format`` (or its
+name); ``QuantizedActivation`` and ``QuantizedWeight`` store theirs and check their arrays
+against it when built, so a record never reinterprets its arrays.
+
+=================  ===========================  ==============  ==================================
+format             elements                     scale           one scale per
+=================  ===========================  ==============  ==================================
+``fp8_per_token``  FP8 by target: e4m3fn (NVI-  float32         token, or each of ``groups``
+                   DIA, gfx950, CPU), e4m3fnuz                  equal contiguous column groups
+                   (gfx94x); or e5m2
+``mxfp8``          ``float8_e4m3fn``            float8_e8m0fnu  32 contiguous elements of a row
+``mxfp4``          ``float4_e2m1fn``            float8_e8m0fnu  32 contiguous elements of a row
+=================  ===========================  ==============  ==================================
+
+``Format.block``: elements per scale along the last axis (32 for MX), or None for a scale over
+a whole token (or column group); kernels pick their tiling by it. The exact semantics, with the
+numbers behind each default: docs/formats.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from k3pallas import fp8 as fp8_lib
+from k3pallas._checks import static_positive_float
+
+__all__ = ["Format", "Fp8PerToken", "Mx", "FP8_PER_TOKEN", "MXFP8", "MXFP4", "FORMATS",
+           "as_format", "QuantizedActivation", "QuantizedWeight", "LAYOUTS"]
+
+
+class Format:
+    """What every output format tells (the subclasses are frozen dataclasses: hashable values)."""
+
+    name: ClassVar[str]
+    block: ClassVar[int | None]  # elements per scale along the last axis; None: a whole group
+
+    # -- target and record binding ---------------------------------------------------------
+    def resolve(self, target) -> "Format":
+        """This format with the defaults that depend on the device filled in."""
+        return self
+
+    def bind(self, dtype) -> "Format":
+        """This format for a record whose data has ``dtype`` (fills a dtype left to the device)."""
+        return self
+
+    # -- shapes ----------------------------------------------------------------------------
+    @property
+    def scale_dtype(self):
+        raise NotImplementedError
+
+    def scale_groups(self, n: int) -> int:
+        """Scales per row of ``n`` elements."""
+        raise NotImplementedError
+
+    def check_width(self, n: int, what: str) -> None:
+        """ValueError unless a row of ``n`` elements (``what`` names it) splits into scale groups."""
+        raise NotImplementedError
+
+    def check_record(self, data, scale) -> None:
+        """TypeError / ValueError unless ``data [..., N]`` and ``scale [..., G]`` are a record of
+        this (bound) format."""
+        _check_arrays(data, scale)
+        if jnp.dtype(data.dtype) != jnp.dtype(self.dtype):
+            raise TypeError(f"{self.name} data must be {jnp.dtype(self.dtype).name}, got "
+                            f"{jnp.dtype(data.dtype).name}")
+        if jnp.dtype(scale.dtype) != jnp.dtype(self.scale_dtype):
+            raise TypeError(f"{self.name} scales must be {jnp.dtype(self.scale_dtype).name}, got "
+                            f"{jnp.dtype(scale.dtype).name}")
+        n = data.shape[-1]
+        self.check_width(n, f"the last dim of data {tuple(data.shape)}")
+        want = tuple(data.shape[:-1]) + (self.scale_groups(n),)
+        if tuple(scale.shape) != want:
+            raise ValueError(f"{self.name} data {tuple(data.shape)} needs scales of shape {want} "
+                             f"({self._per_scale(n)}); got {tuple(scale.shape)}")
+
+    def _per_scale(self, n: int) -> str:
+        return f"one per {n // self.scale_groups(n)} elements of a row"
+
+    # -- semantics -------------------------------------------------------------------------
+    def quantize(self, y):
+        """``y [..., N]`` (any float dtype; float32 math) -> ``(data [..., N], scale [..., G])``:
+        the jnp semantics the kernels implement. Format resolved first."""
+        raise NotImplementedError
+
+    def dequantize(self, data, scale, dtype=jnp.float32):
+        """``data * scale`` per scale group, ``[..., N]`` in ``dtype`` (a NaN scale: NaN)."""
+        n, groups = data.shape[-1], scale.shape[-1]
+        lead = data.shape[:-1]
+        d = data.astype(jnp.float32).reshape(lead + (groups, n // groups))
+        return (d * scale.astype(jnp.float32)[..., None]).reshape(data.shape).astype(dtype)
+
+
+def _check_arrays(data, scale):
+    for name, a in (("data", data), ("scale", scale)):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(a).__name__}")
+    if data.ndim < 1 or scale.ndim != data.ndim:
+        raise ValueError(f"data [..., N] and scale [..., G] must have the same rank >= 1; got "
+                         f"shapes {tuple(data.shape)} and {tuple(scale.shape)}")
+
+
+def _static_int(name: str, value, minimum: int) -> int:
+    """A static integer option (any ``numbers.Integral``, not bool): TypeError for an array or a
+    traced value, ValueError for anything else (0, False, 2.0, ...)."""
+    if isinstance(value, (jax.Array, jax.core.Tracer)):
+        raise TypeError(f"{name} must be a Python int (a static option), got {type(value).__name__}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum} (a static option), got {value!r}")
+    return int(value)
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-token FP8 (vLLM's dynamic per-token FP8)
+# ------------------------------------------------------------------------------------------------
+
+# The kernels and XLA divide by the scale as a multiplication by its reciprocal, which GPUs flush
+# to 0 once it is subnormal: scales stay <= 2**126, so every code is exact. With fp8_max >= 4 no
+# row of finite float32 values (amax <= 2**128) reaches that; min_scale is capped there.
+SCALE_MAX = 2.0**126
+FP8_MAX_MIN = 4.0
+MIN_SCALE_DIVISOR = 512.0  # min_scale = 1 / (fp8_max * 512), as vLLM
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8PerToken(Format):
+    """Dynamic per-token FP8, per token and scale group: ``amax = max|y|``;
+    ``scale = max(min(amax, scale_ub) / fp8_max, min_scale)``;
+    ``data = round_to_nearest_even(clamp(y / scale, -fp8_max, fp8_max))``. A zero row gets
+    ``min_scale`` and zero codes; a row holding NaN or inf gets a NaN scale and NaN codes.
+
+    Fields (None: the default, filled by ``resolve`` for the target):
+      dtype: ``float8_e4m3fn``, ``float8_e4m3fnuz`` or ``float8_e5m2``; default by device
+        (``default_fp8_dtype``: e4m3fnuz on gfx94x, e4m3fn elsewhere).
+      fp8_max: 448 (e4m3fn), 224 (e4m3fnuz, as vLLM; AITER uses 240), 57344 (e5m2); from 4 to
+        the format's largest finite value.
+      min_scale: ``1 / (fp8_max * 512)``; from 2**-126 to 2**126.
+      scale_ub: an upper bound on ``amax`` (default none).
+      groups: ``G`` equal contiguous column groups per token, one scale each (default 1).
+    """
+
+    dtype: object = None
+    fp8_max: float | None = None
+    min_scale: float | None = None
+    scale_ub: float | None = None
+    groups: int = 1
+
+    name: ClassVar[str] = "fp8_per_token"
+    block: ClassVar[None] = None
+
+    def __post_init__(self):
+        set_ = functools.partial(object.__setattr__, self)
+        if self.dtype is not None:
+            set_("dtype", fp8_lib.fp8_format(self.dtype).dtype)
+        if self.fp8_max is not None:
+            set_("fp8_max", static_positive_float("fp8_max", self.fp8_max, low=FP8_MAX_MIN))
+            if self.dtype is not None:
+                _check_fp8_max(self.fp8_max, self.dtype)
+        if self.min_scale is not None:
+            set_("min_scale", static_positive_float("min_scale", self.min_scale, high=SCALE_MAX))
+        if self.scale_ub is not None:
+            set_("scale_ub", static_positive_float("scale_ub", self.scale_ub))
+        set_("groups", _static_int("groups", self.groups, 1))
+
+    def resolve(self, target) -> "Fp8PerToken":
+        if self.dtype is None:
+            return self.bind(fp8_lib.default_fp8_dtype(target))
+        return self.bind(self.dtype)
+
+    def bind(self, dtype) -> "Fp8PerToken":
+        if self.dtype is None and jnp.dtype(dtype) not in fp8_lib.FP8_DTYPES:
+            raise TypeError(f"fp8_per_token data must have an fp8 dtype, got {jnp.dtype(dtype).name}")
+        dtype = jnp.dtype(dtype) if self.dtype is None else self.dtype
+        fp8_max = fp8_lib.fp8_format(dtype).default_max if self.fp8_max is None else self.fp8_max
+        _check_fp8_max(fp8_max, dtype)
+        min_scale = 1.0 / (fp8_max * MIN_SCALE_DIVISOR) if self.min_scale is None else self.min_scale
+        return dataclasses.replace(self, dtype=dtype, fp8_max=fp8_max, min_scale=min_scale)
+
+    @property
+    def scale_dtype(self):
+        return jnp.dtype(jnp.float32)
+
+    def scale_groups(self, n: int) -> int:
+        return self.groups
+
+    def check_width(self, n: int, what: str) -> None:
+        if n % self.groups:
+            raise ValueError(f"fp8_per_token groups={self.groups} must divide {what} ({n})")
+
+    def check_record(self, data, scale) -> None:
+        _check_arrays(data, scale)
+        if jnp.dtype(data.dtype) not in fp8_lib.FP8_DTYPES:
+            raise TypeError(f"fp8_per_token data must have an fp8 dtype, got {jnp.dtype(data.dtype).name}")
+        super().check_record(data, scale)
+
+    def quantize(self, y):
+        y = y.astype(jnp.float32)
+        n = y.shape[-1]
+        lead = y.shape[:-1]
+        yg = y.reshape(lead + (self.groups, n // self.groups))
+        amax = jnp.max(jnp.abs(yg), axis=-1, keepdims=True)
+        if self.scale_ub is not None:
+            amax = jnp.minimum(amax, self.scale_ub)
+        scale = jnp.maximum(amax / self.fp8_max, self.min_scale)
+        # NaN or inf anywhere in the group: NaN scale, hence NaN codes (explicit: XLA's CPU
+        # max-reduction can drop NaN).
+        scale = jnp.where(jnp.all(jnp.isfinite(yg), axis=-1, keepdims=True), scale, jnp.nan)
+        data = jnp.clip(yg / scale, -self.fp8_max, self.fp8_max).astype(self.dtype)
+        return data.reshape(y.shape), scale[..., 0]
+
+
+def _check_fp8_max(fp8_max, dtype):
+    fmt = fp8_lib.fp8_format(dtype)
+    if fp8_max > fmt.max_finite:
+        raise ValueError(f"fp8_max={fp8_max} exceeds the largest finite {fmt.name} value "
+                         f"{fmt.max_finite}")
+
+
+# ------------------------------------------------------------------------------------------------
+# MX block-scaled formats (OCP Microscaling), as jax.nn.scaled_matmul takes them
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Mx(Format):
+    """MXFP8 / MXFP4: one ``float8_e8m0fnu`` scale (a power of two, ``2**(code - 127)``; code
+    255 is NaN) per block of 32 contiguous elements of a row. jax's own MX quantization
+    (``jax.nn.scaled_dot_general``'s):
+
+    * ``scale = 2**ceil(log2(amax / elem_max))`` over the block (float32 division, rounded UP
+      to a power of two), at least ``2**-127``;
+    * ``data = round_to_nearest_even(y / scale)``: never beyond ``elem_max``, nothing saturates;
+    * a block holding NaN or inf gets the NaN scale and NaN codes (MXFP4, which has no NaN:
+      code 0x8); no other block changes.
+
+    The scale code comes from integer operations (``scale_code``) and the codes from ``y`` times
+    the exact reciprocal (``inv_scale``), equal to jax's rule in IEEE arithmetic on every
+    platform (XLA's CPU flushes subnormals where a GPU does not). MXFP4 codes are written two per
+    byte, element ``2j`` in the low nibble (the order jax reads).
+    """
+
+    name: str
+    dtype: object  # the element dtype of the array jax.nn.scaled_matmul takes
+    elem_max: float
+    per_byte: int  # elements stored per byte (2: packed nibbles)
+
+    block: ClassVar[int] = 32
+
+    @property
+    def scale_dtype(self):
+        return jnp.dtype(jnp.float8_e8m0fnu)
+
+    def scale_groups(self, n: int) -> int:
+        return n // self.block
+
+    def check_width(self, n: int, what: str) -> None:
+        if n % self.block:
+            raise ValueError(f"{self.name} scales blocks of {self.block} elements, which may not "
+                             f"cross {what}: its size ({n}) must be a multiple of {self.block}")
+
+    def _per_scale(self, n):
+        return f"one per block of {self.block}"
+
+    @functools.cached_property
+    def threshold_bits(self) -> tuple[int, int, int]:
+        """(exponent field, mantissa field, subnormal-edge amax bits) of ``elem_max``, for
+        ``scale_code``. Computed once per format (the edge by a short host search)."""
+        bits = int(np.float32(self.elem_max).view(np.uint32))
+        return bits >> 23, bits & 0x7FFFFF, _edge_bits(self.elem_max)
+
+    def scale_code(self, amax, nonfinite=None):
+        """The e8m0 code (int32) of jax's rounded-up scale for float32 block maxima ``amax >= 0``,
+        with integer operations only (no division: GPU float32 division is not always IEEE).
+
+        jax rounds ``q = fl(amax / elem_max)`` up to a power of two. For normal ``q`` that power
+        is ``2**(e_a - e_m)`` times 2 when amax's mantissa exceeds elem_max's (``e``: exponent
+        fields): ``fl`` cannot round a quotient above a power of two down onto it (for 6 and 448;
+        tested against jax's rule). Below ``2**-126`` the quotient is subnormal and rounds more
+        coarsely: code 0 up to the amax whose quotient rounds to ``2**-127``. ``nonfinite``:
+        blocks holding NaN or inf, code 255 (NaN).
+        """
+        e_m, m_m, edge = self.threshold_bits
+        bits = lax.bitcast_convert_type(amax, jnp.int32)
+        code = (bits >> 23) - e_m + 127 + jnp.where((bits & 0x7FFFFF) > m_m, 1, 0)
+        code = jnp.where(bits <= edge, 0, jnp.minimum(code, 254))
+        code = jnp.maximum(code, 0)
+        if nonfinite is not None:
+            code = jnp.where(nonfinite, 255, code)
+        return code
+
+    # -- what a kernel's block epilogue needs (jnp, inside the kernel) --------------------------
+    scale_store_dtype: ClassVar = jnp.dtype(jnp.uint8)  # the scale codes, stored as bytes
+    scale_poison: ClassVar[int] = 0xFF  # the NaN scale: marks an unwritten one
+
+    def block_scale(self, amax, nonfinite):
+        """(stored scale code, exact float32 reciprocal of the scale) per block."""
+        code = self.scale_code(amax, nonfinite)
+        return code, inv_scale(code)
+
+    def scale_from_stored(self, stored):
+        return as_e8m0(stored)
+
+    @staticmethod
+    def unpack(packed, n):
+        return unpack_fp4(packed, n)
+
+    def quantize(self, y):
+        y = y.astype(jnp.float32)
+        blocks = y.reshape(y.shape[:-1] + (y.shape[-1] // self.block, self.block))
+        amax = jnp.max(jnp.abs(blocks), axis=-1)
+        nonfinite = ~jnp.all(jnp.isfinite(blocks), axis=-1)  # explicit: XLA's CPU max drops NaN
+        code = self.scale_code(amax, nonfinite)
+        v = blocks * inv_scale(code)[..., None]
+        data = jnp.clip(v, -self.elem_max, self.elem_max).astype(self.dtype)
+        return data.reshape(y.shape), as_e8m0(code)
+
+
+def _edge_bits(elem_max: float) -> int:
+    """The float32 bits of the largest ``amax`` whose float32 quotient ``amax / elem_max`` is
+    ``<= 2**-127`` (jax's rounding keeps e8m0 code 0 up to there; see ``Mx.scale_code``)."""
+    m = np.float32(elem_max)
+    a = np.float32(elem_max * 2.0**-127)
+    while (np.float32(np.nextafter(a, np.float32(np.inf))) / m) <= np.float32(2.0**-127):
+        a = np.nextafter(a, np.float32(np.inf))
+    while a / m > np.float32(2.0**-127):
+        a = np.nextafter(a, np.float32(0))
+    return int(np.float32(a).view(np.uint32))
+
+
+def inv_scale(code):
+    """``1 / 2**(code - 127)`` exactly, as float32 (NaN for code 255): ``2**(127 - code)`` is a
+    normal float32 for every code 0..253, all that finite data produces (254 gives 0)."""
+    inv = lax.bitcast_convert_type((254 - code) << 23, jnp.float32)
+    return jnp.where(code == 255, jnp.nan, inv)
+
+
+def as_e8m0(code):
+    """int codes -> ``float8_e8m0fnu`` (a bitcast of their low byte)."""
+    return lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e8m0fnu)
+
+
+def unpack_fp4(packed, n):
+    """uint8 ``[..., n / 2]`` (element ``2j`` in the low nibble) -> ``float4_e2m1fn [..., n]``:
+    a bitcast (jax splits each byte into ``[low, high]``) and a reshape."""
+    f4 = lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)
+    return f4.reshape(packed.shape[:-1] + (n,))
+
+
+FP8_PER_TOKEN = Fp8PerToken()
+MXFP8 = Mx("mxfp8", jnp.dtype(jnp.float8_e4m3fn), 448.0, 1)
+MXFP4 = Mx("mxfp4", jnp.dtype(jnp.float4_e2m1fn), 6.0, 2)
+FORMATS = {f.name: f for f in (FP8_PER_TOKEN, MXFP8, MXFP4)}
+
+
+def as_format(value) -> Format:
+    """A format from a ``Format`` value or its name; ValueError / TypeError otherwise."""
+    if isinstance(value, Format):
+        return value
+    if isinstance(value, str):
+        if value not in FORMATS:
+            raise ValueError(f"out_format must be a k3pallas format or one of {tuple(FORMATS)}, "
+                             f"got {value!r}")
+        return FORMATS[value]
+    raise TypeError(f"out_format must be a k3pallas format (k3pallas.formats) or its name "
+                    f"{tuple(FORMATS)}, got {type(value).__name__}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Records
+# ------------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_pytree_node_class
+class QuantizedActivation:
+    """A quantized activation: ``data [..., N]``, ``scale [..., G]`` and the ``format`` that made
+    them. Checked when built: data and scale must be what the format writes (dtypes, one scale
+    per group; ``format`` as a value or a name). A pytree (the format is static), so it passes
+    through ``jax.jit``; ``data, scale = qa`` unpacks the arrays.
+    """
+
+    __slots__ = ("data", "scale", "format")
+
+    def __init__(self, data, scale, format):
+        try:
+            fmt = as_format(format)
+            _check_arrays(data, scale)
+            fmt = fmt.bind(data.dtype)
+            fmt.check_record(data, scale)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"QuantizedActivation: {e}") from None
+        self.data, self.scale, self.format = data, scale, fmt
+
+    @classmethod
+    def _unchecked(cls, data, scale, fmt):
+        """Built by an op (whose outputs are right by construction) or by jax (which may rebuild
+        a pytree around placeholders): no checks."""
+        obj = object.__new__(cls)
+        obj.data, obj.scale, obj.format = data, scale, fmt
+        return obj
+
+    def tree_flatten(self):
+        return (self.data, self.scale), self.format
+
+    @classmethod
+    def tree_unflatten(cls, fmt, children):
+        return cls._unchecked(*children, fmt)
+
+    def __iter__(self):
+        return iter((self.data, self.scale))
+
+    def __repr__(self):
+        return (f"QuantizedActivation({self.format.name}: data {_desc(self.data)}, scale "
+                f"{_desc(self.scale)})")
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """``data * scale`` per scale group, ``[..., N]`` in ``dtype`` (a floating dtype)."""
+        _check_float(dtype, "QuantizedActivation.dequantize")
+        return self.format.dequantize(self.data, self.scale, dtype)
+
+
+def _desc(a):
+    return f"{tuple(getattr(a, 'shape', ()))} {getattr(a, 'dtype', '?')}"
+
+
+def _check_float(dtype, where):
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise TypeError(f"{where}: dtype must be floating, got {jnp.dtype(dtype).name} (the "
+                        "values are not integers)")
+
+
+LAYOUTS = ("nk", "kn")
+
+
+@jax.tree_util.register_pytree_node_class
+class QuantizedWeight:
+    """A quantized weight ``w [K, N]`` (``x @ w``) for ``k3pallas.linear``: ``data``, ``scale``,
+    its ``format`` and ``layout``, checked against each other when built.
+
+    ``layout`` orders data and scale alike: ``"nk"`` (default: data ``[N, K]``, K contiguous,
+    what the vendor FP8 GEMMs and ``jax.nn.scaled_matmul`` read without a transpose) or ``"kn"``
+    (data ``[K, N]``). By format:
+
+    * ``fp8_per_token`` (per output channel): ``scale [N]`` float32, or a per-tensor scalar
+      ``[]``; data in an fp8 dtype;
+    * ``mxfp8`` / ``mxfp4`` (per output channel and block of 32 along K): ``scale [N, K/32]``
+      (``"nk"``) or ``[K/32, N]`` (``"kn"``), e8m0; K a multiple of 32.
+
+    A square scale stored in the other order cannot be told from its shape: say the layout of
+    both. A pytree (format and layout static); ``data, scale = qw`` unpacks the arrays.
+    """
+
+    __slots__ = ("data", "scale", "format", "layout")
+
+    def __init__(self, data, scale, format, layout="nk"):
+        try:
+            fmt = as_format(format)
+            if layout not in LAYOUTS:
+                raise ValueError(f"layout must be 'nk' or 'kn', got {layout!r}")
+            for name, a in (("data", data), ("scale", scale)):
+                if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+                    raise TypeError(f"{name} must be an array, got {type(a).__name__}")
+            if data.ndim != 2:
+                raise ValueError(f"data must be a matrix ([N, K] for layout 'nk', [K, N] for "
+                                 f"'kn'), got shape {tuple(data.shape)}")
+            fmt = fmt.bind(data.dtype)
+            _check_weight_record(fmt, data, scale, layout)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"QuantizedWeight: {e}") from None
+        self.data, self.scale, self.format, self.layout = data, scale, fmt, layout
+
+    @classmethod
+    def _unchecked(cls, data, scale, fmt, layout):
+        obj = object.__new__(cls)
+        obj.data, obj.scale, obj.format, obj.layout = data, scale, fmt, layout
+        return obj
+
+    def tree_flatten(self):
+        return (self.data, self.scale), (self.format, self.layout)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls._unchecked(*children, *aux)
+
+    def __iter__(self):
+        return iter((self.data, self.scale))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(K, N)`` of the weight it stands for."""
+        return tuple(self.data.shape) if self.layout == "kn" else tuple(self.data.shape[::-1])
+
+    def __repr__(self):
+        return (f"QuantizedWeight({self.format.name}, layout {self.layout!r}: data "
+                f"{_desc(self.data)}, scale {_desc(self.scale)})")
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The ``[K, N]`` weight ``data * scale`` in ``dtype``, whatever the stored layout."""
+        _check_float(dtype, "QuantizedWeight.dequantize")
+        data, scale = self.data, self.scale
+        if self.layout == "kn":
+            data, scale = data.T, (scale if scale.ndim < 2 else scale.T)
+        if self.format.block is None:  # per output channel (rows of the [N, K] data)
+            w = data.astype(jnp.float32) * jnp.reshape(scale.astype(jnp.float32), (-1, 1))
+        else:
+            w = self.format.dequantize(data, scale)
+        return w.T.astype(dtype)
+
+
+def _check_weight_record(fmt: Format, data, scale, layout):
+    k, n = data.shape if layout == "kn" else data.shape[::-1]
+    if fmt.block is None:
+        if jnp.dtype(data.dtype) not in fp8_lib.FP8_DTYPES:
+            raise TypeError(f"{fmt.name} weight data must have an fp8 dtype, got {data.dtype}")
+        if jnp.dtype(data.dtype) != jnp.dtype(fmt.dtype):
+            raise TypeError(f"{fmt.name} data must be {jnp.dtype(fmt.dtype).name}, got {data.dtype}")
+        if fmt.groups != 1:
+            raise ValueError(f"a weight's scales are per output channel: groups must be 1, got "
+                             f"{fmt.groups}")
+        if jnp.dtype(scale.dtype) != jnp.dtype(jnp.float32):
+            raise TypeError(f"{fmt.name} weight scales must be float32, got {scale.dtype}")
+        if tuple(scale.shape) not in ((n,), ()):
+            raise ValueError(f"{fmt.name} weight scales must have shape ({n},) (per output "
+                             f"channel of the [K, N] = [{k}, {n}] weight) or () (per tensor); got "
+                             f"{tuple(scale.shape)}")
+        return
+    if jnp.dtype(data.dtype) != jnp.dtype(fmt.dtype):
+        raise TypeError(f"{fmt.name} data must be {jnp.dtype(fmt.dtype).name}, got {data.dtype}")
+    if jnp.dtype(scale.dtype) != jnp.dtype(fmt.scale_dtype):
+        raise TypeError(f"{fmt.name} scales must be {jnp.dtype(fmt.scale_dtype).name}, got "
+                        f"{scale.dtype}")
+    fmt.check_width(k, f"K of the [K, N] = [{k}, {n}] weight")
+    want = (n, k // fmt.block) if layout == "nk" else (k // fmt.block, n)
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{fmt.name} weight scales for data {tuple(data.shape)} (layout "
+                         f"{layout!r}, [K, N] = [{k}, {n}]) must have shape {want}; got "
+                         f"{tuple(scale.shape)}")

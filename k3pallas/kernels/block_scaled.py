@@ -1,0 +1,256 @@
+"""Block-scaled outputs (a scale per block of ``fmt.block`` contiguous elements of a row: MXFP8,
+MXFP4; ``formats.Mx``): the tiles, the block epilogue and the block kernels, one launch each,
+``R`` rows per program.
+
+A row's columns are read as blocks: ``[R, b, block]`` tiles, or ``[R, b, block / 2, 2]`` for
+two elements per byte (the pair axis: the two elements of a code byte), over power-of-two pieces
+of the block axis (1536 columns: 32 + 16 blocks of 32). Blocks are independent, so a kernel row
+is a head (gated) or at most 64 blocks of a token (quantize, sigmoid-mul): a wide token spreads
+over programs. Per block: ``amax``, the scale and its exact reciprocal from the format
+(``fmt.block_scale``), the codes (integer encoder, or the native cast where ``fp8_cast`` decided
+it), and for two per byte the two nibbles, element ``2j`` low. Codes and scales are stored as
+bytes; the results present them as the format's element and scale arrays (bitcasts). The
+normalized or gated values never go through memory. ``q``: a ``common.Quant`` of a block format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from k3pallas import fp8 as fp8_lib
+from k3pallas.kernels import common, fp8_cast, launch
+
+
+# ------------------------------------------------------------------------------------------------
+# Tiles: index arrays of a block piece
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    load: tuple  # index of the elements, tile shape [R, b, block] or [R, b, block / 2, 2]
+    mask: object  # of the elements
+    codes: tuple  # index into the code bytes [R, width / per_byte]
+    codes_mask: object
+    scale: tuple  # index into the scales [R, width / block], shape [R, b]
+    scale_mask: object
+    blocks: tuple  # (first block, blocks) of this piece, for weights in block layout
+
+
+def pieces(rows, in_rows, n_blocks, block, per_byte, col0=0):
+    """The block pieces of ``rows`` rows (``in_rows``: their ``[R]`` mask): ``n_blocks`` blocks of
+    ``block`` starting at column ``col0`` of the input, as power-of-two pieces of the block axis.
+    Code and scale indices count from column 0 of the outputs."""
+    r = jnp.arange(rows, dtype=jnp.int32)
+    half = block // 2
+    for b0, bs in common.pow2_parts(n_blocks):
+        b = b0 + jnp.arange(bs, dtype=jnp.int32)
+        mask = in_rows[:, None]
+        if b0 + bs > n_blocks:  # the padded last piece
+            mask = mask & (b < n_blocks)[None, :]
+        if per_byte == 1:
+            col = b[None, :, None] * block + jnp.arange(block, dtype=jnp.int32)[None, None, :]
+            load, codes = (r[:, None, None], col), (r[:, None, None], col)
+            load_mask = codes_mask = mask[:, :, None]
+        else:
+            k = jnp.arange(half, dtype=jnp.int32)
+            col = (b[None, :, None, None] * block + 2 * k[None, None, :, None]
+                   + jnp.arange(2, dtype=jnp.int32)[None, None, None, :])
+            load, load_mask = (r[:, None, None, None], col), mask[:, :, None, None]
+            codes = (r[:, None, None], b[None, :, None] * half + k[None, None, :])
+            codes_mask = mask[:, :, None]
+        yield Piece(load=(load[0], load[1] + col0 if col0 else load[1]), mask=load_mask,
+                    codes=codes, codes_mask=codes_mask, scale=(r[:, None], b[None, :]),
+                    scale_mask=mask, blocks=(b0, bs))
+
+
+def weight_index(piece: Piece, block, per_byte, col0=0):
+    """Index of a ``[D]`` weight in the block layout of ``piece`` (``[b, block]`` /
+    ``[b, block / 2, 2]``)."""
+    b0, bs = piece.blocks
+    b = b0 + jnp.arange(bs, dtype=jnp.int32)
+    if per_byte == 1:
+        return b[:, None] * block + jnp.arange(block, dtype=jnp.int32)[None, :] + col0
+    k = jnp.arange(block // 2, dtype=jnp.int32)[None, :, None]
+    p = jnp.arange(2, dtype=jnp.int32)[None, None, :]
+    return b[:, None, None] * block + 2 * k + p + col0
+
+
+def block_mask(piece: Piece, n_blocks, per_byte):
+    """The weight's mask for a padded last block piece (None otherwise)."""
+    b0, bs = piece.blocks
+    if b0 + bs <= n_blocks:
+        return None
+    b = b0 + jnp.arange(bs, dtype=jnp.int32)
+    return (b < n_blocks)[:, None] if per_byte == 1 else (b < n_blocks)[:, None, None]
+
+
+# ------------------------------------------------------------------------------------------------
+# The block epilogue
+# ------------------------------------------------------------------------------------------------
+
+
+def block_codes(y, q: common.Quant):
+    """float32 blocks ``y [..., block]`` (one element per byte) or ``[..., block / 2, 2]`` (two)
+    -> (code bytes ``[..., block]`` / ``[..., block / 2]``, stored scales ``[...]``)."""
+    fmt = q.fmt
+    trail = 1 if fmt.per_byte == 1 else 2
+    a = jnp.abs(y)
+    amax, total = a, a
+    for _ in range(trail):
+        amax, total = jnp.max(amax, axis=-1), jnp.sum(total, axis=-1)
+    # NaN: the sum keeps it (Triton's max drops it); infinity: the max keeps it.
+    nonfinite = (total != total) | (amax == jnp.inf)
+    stored, inv = fmt.block_scale(amax, nonfinite)
+    v = y * inv[(Ellipsis,) + (None,) * trail]
+    if q.native:
+        return fp8_cast.native_codes(v, fmt.dtype), stored
+    c = fp8_lib.encode_fp8(v, fmt.dtype)
+    if fmt.per_byte == 2:  # element 2j in the low nibble, 2j + 1 in the high one
+        c = jnp.sum(c << (jnp.arange(2, dtype=jnp.int32) * 4), axis=-1)
+    return c, stored
+
+
+def store_blocks(piece: Piece, y, codes_ref, scale_ref, q):
+    c, stored = block_codes(y, q)
+    common.store(codes_ref, piece.codes, c, piece.codes_mask)
+    common.store(scale_ref, piece.scale, stored, piece.scale_mask)
+
+
+def outputs(lead_shape, width, q: common.Quant):
+    """(output structs, poison values): code bytes ``[*lead, width / per_byte]`` and stored
+    scales ``[*lead, width / block]`` (``lead_shape``: the rows). Poison: a NaN code (one per
+    byte; MXFP4: 0xFF, -6, -6; the tests compare codes exactly) and the format's NaN scale."""
+    fmt = q.fmt
+    native = q.native and fmt.per_byte == 1
+    codes = jax.ShapeDtypeStruct(tuple(lead_shape) + (width // fmt.per_byte,),
+                                 fmt.dtype if native else jnp.uint8)
+    scale = jax.ShapeDtypeStruct(tuple(lead_shape) + (width // fmt.block,), fmt.scale_store_dtype)
+    poison = float("nan") if native else (0x7F if fmt.per_byte == 1 else 0xFF)
+    return [codes, scale], [poison, fmt.scale_poison]
+
+
+def results(codes, scale, q: common.Quant, width):
+    """The kernel's bytes as (elements ``[..., width]``, scales) of the format."""
+    fmt = q.fmt
+    if fmt.per_byte == 2:
+        elements = fmt.unpack(codes, width)
+    elif codes.dtype != fmt.dtype:
+        elements = jax.lax.bitcast_convert_type(codes, fmt.dtype)
+    else:
+        elements = codes
+    return elements, fmt.scale_from_stored(scale)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------------
+
+def _rows_kernel(*refs, n_rows, rows, width, n_inputs, q, combine):
+    """Row kernels (``[R, width]`` inputs): ``combine(*float32 tiles)`` per block piece, then the
+    block epilogue."""
+    x_refs, (codes_ref, scale_ref) = refs[:n_inputs], refs[n_inputs:]
+    loaded = [(p, [common.load(ref, p.load, p.mask) for ref in x_refs])
+              for p in pieces(rows, common.row_mask(n_rows, rows, 1), width // q.fmt.block,
+                              q.fmt.block, q.fmt.per_byte)]
+    for p, xs in loaded:
+        store_blocks(p, combine(*[x.astype(jnp.float32) for x in xs]), codes_ref, scale_ref, q)
+
+
+def normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, *, in_rows, rows, col0, width,
+                            eps, q, ftz, g_ref=None, activation="sigmoid"):
+    """Columns ``col0 .. col0 + width`` of ``x_ref``'s rows (``in_rows``: ``[R]``) normalized with
+    ``w_ref``, times ``act(g)`` of ``g_ref``'s same columns where one is given (the gated norm),
+    and quantized by blocks: the gated block kernel and the first segment of ``kernels.norms``."""
+    block, per_byte = q.fmt.block, q.fmt.per_byte
+    n_blocks = width // block
+    trail = 2 if per_byte == 1 else 3  # the block axes of a tile
+    loaded = [(p, common.load(x_ref, p.load, p.mask),
+               None if g_ref is None else common.load(g_ref, p.load, p.mask),
+               common.load(w_ref, weight_index(p, block, per_byte),
+                           block_mask(p, n_blocks, per_byte)))
+              for p in pieces(rows, in_rows, n_blocks, block, per_byte, col0=col0)]
+    ss = None
+    for _, x, _, _ in loaded:  # the row's mean square over all its block pieces
+        x = x.astype(jnp.float32)
+        s = x * x
+        for _ in range(trail):
+            s = jnp.sum(s, axis=-1)
+        ss = s if ss is None else ss + s
+    inv = common.inv_rms(ss / width, eps, ftz)[(Ellipsis,) + (None,) * trail]
+    for p, x, g, w in loaded:
+        y = x.astype(jnp.float32) * inv * w.astype(jnp.float32)[None]
+        if g is not None:
+            y = y * common.act_fn(g.astype(jnp.float32), activation, ftz)
+        store_blocks(p, y, codes_ref, scale_ref, q)
+
+
+def _gated_kernel(x_ref, g_ref, w_ref, codes_ref, scale_ref, *, n_rows, rows, width, eps,
+                  activation, q, ftz):
+    """``rmsnorm(x) * w * act(g)`` of one head per row, then the block epilogue."""
+    normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, g_ref=g_ref,
+                            activation=activation, in_rows=common.row_mask(n_rows, rows, 1),
+                            rows=rows, col0=0, width=width, eps=eps, q=q, ftz=ftz)
+
+
+def row_elems(width: int, n_inputs: int, block: int) -> tuple[int, int]:
+    """(elements a row loads over the inputs, elements of its largest tile row)."""
+    parts = common.pow2_parts(width // block)
+    return n_inputs * sum(s for _, s in parts) * block, parts[0][1] * block
+
+
+def _launch(kernel, *, key, q, row_inputs, shared_inputs, interpret, target, config=None):
+    """ONE launch of ``kernel`` over rows ``[T, width]``: (elements ``[T, width]``, scales
+    ``[T, width / block]``). ``key``: the launch key (``common.launch_name``)."""
+    n_rows, width = row_inputs[0].shape
+    if config is None:
+        config = launch.launch_config(key, n_rows, *row_elems(width, len(row_inputs), q.fmt.block),
+                                      target=target)
+    outs, poison = outputs((n_rows,), width, q)
+    codes, scale = common.row_call(
+        functools.partial(kernel, n_rows=n_rows, rows=config.rows_per_program, width=width, q=q),
+        name=f"k3pallas_{key}", n_rows=n_rows, config=config, row_inputs=row_inputs,
+        shared_inputs=shared_inputs, out_shapes=outs, interpret=interpret, out_poison=poison)
+    return results(codes, scale, q, width)
+
+
+def _identity(x):
+    return x
+
+
+def _sigmoid_mul(x, g, *, ftz):
+    return x * common.act_fn(g, "sigmoid", ftz)
+
+
+def rows(xs, *, key, q, interpret, target, gate: bool = False, config=None):
+    """``xs``: ``[x]`` or ``[x, gate]``, each ``[T, N]`` -> the block format of ``x`` or of
+    ``x * sigmoid(gate)`` (float32)."""
+    combine = (functools.partial(_sigmoid_mul, ftz=common.flush_to_zero(target, interpret))
+               if gate else _identity)
+    kernel = functools.partial(_rows_kernel, n_inputs=len(xs), combine=combine)
+    return _launch(kernel, key=key, q=q, row_inputs=list(xs), shared_inputs=[],
+                   interpret=interpret, target=target, config=config)
+
+
+def gated_rows(x, gate, weight, *, key, eps, activation, q, interpret, target, config=None):
+    """``x``, ``gate`` ``[T, D]`` (one head per row), ``weight [D]`` -> the block format of the
+    gated RMSNorm."""
+    kernel = functools.partial(_gated_kernel, eps=float(eps), activation=activation,
+                               ftz=common.flush_to_zero(target, interpret))
+    return _launch(kernel, key=key, q=q, row_inputs=[x, gate], shared_inputs=[weight],
+                   interpret=interpret, target=target, config=config)
+
+
+# Blocks are independent, so a token's row may be cut into several kernel rows: a wide row (96 x
+# 128 columns) then spreads over many programs at decode instead of one (docs/performance.md).
+MAX_ROW_ELEMS = 2048
+
+
+def kernel_row_blocks(blocks: int, block: int) -> int:
+    """Blocks per kernel row: all of a token's, or the largest divisor within MAX_ROW_ELEMS."""
+    most = max(1, MAX_ROW_ELEMS // block)
+    return max(d for d in range(1, min(blocks, most) + 1) if blocks % d == 0)
