@@ -1,13 +1,16 @@
-"""The benchmark's shapes as data: the token counts, and each op's view (``k3pallas.ops``): its
-model shapes, example arguments, unfused form and bytes moved; then the integration path that is
-not an op (the KDA output with its FP8 o_proj). The benchmark, the tuning sweep, the ROCm gate and
-the generic API tests read it; the runtime does not.
+"""The benchmark's shapes as data: the token counts, and each case's view of an op (``k3pallas.ops``)
+with an output format: its model shapes, example arguments, unfused form and bytes moved; then
+the integration path that is not an op (the KDA output with its FP8 o_proj). The benchmark, the
+tuning sweep, the ROCm gate and the generic API tests read it; the runtime does not.
 
-``OPS[name]``: a ``BenchOp`` with the op's table entry (``.op``) and
+``OPS[name]``: a ``BenchOp``, named ``op`` (unquantized), ``op_fp8_per_token`` or ``op_mx`` (MXFP8
+or MXFP4 by its config), with
 
 * ``sizes``: named problem sizes: the model configs the benchmark, the sweep and the gate run it
-  on (the first is the headline), and ``"test"``, small sizes for the generic API tests;
-* ``example(tokens, dtype, **size)``: its arguments as ``ShapeDtypeStruct``s and its options;
+  on (the first is the headline), and ``"test"``, small sizes for the generic API tests; an MX
+  size names its format (``fmt``);
+* ``example(tokens, dtype, **size)``: its arguments as ``ShapeDtypeStruct``s and its options
+  (``out_format`` among them where it has one);
 * ``unfused``: the same results from other ops, the benchmark's "unfused" variant (or None).
 """
 
@@ -21,44 +24,49 @@ import jax
 import jax.numpy as jnp
 
 import k3pallas as kp
-from k3pallas import ops
+from k3pallas import formats, ops, platform
 
 S = jax.ShapeDtypeStruct
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchOp:
-    op: ops.Op
+    op: str  # the op (k3pallas.ops.OPS)
+    family: str | None  # None, "fp8_per_token" or "mx"
     sizes: Mapping[str, dict]
     example: Callable  # (tokens, dtype, **size) -> (tuple of ShapeDtypeStruct, options dict)
     unfused: Callable | None = None  # (impl, *arrays, **options) -> the op's results
-    public: str | None = None  # the public function, where it is not named after the op (MX)
 
     @property
     def name(self) -> str:
-        return self.op.name
+        return self.op if self.family is None else f"{self.op}_{self.family}"
 
     @property
     def fp8(self) -> bool:
-        return self.op.fp8
+        """Writes per-token FP8 (both FP8 conversion paths apply)."""
+        return self.family == "fp8_per_token"
 
     @property
     def mx(self) -> bool:
-        return self.op.mx
-
-    @property
-    def rule(self):
-        return self.op.rule
+        return self.family == "mx"
 
     @property
     def fn(self):
-        """The public function."""
-        return getattr(kp, self.public or self.op.name)
+        """The public function of the op."""
+        return getattr(kp, self.op)
 
     @property
     def configs(self) -> tuple[str, ...]:
         """The model configs it is benchmarked, tuned and gated on (headline first)."""
         return tuple(k for k in self.sizes if k != "test")
+
+    def row_operands(self, structs, options) -> list[bool]:
+        """Per operand: whether it has rows (leading token axes) in the op's sharding rule."""
+        fmt = options.get("out_format")
+        fmt = None if fmt is None else formats.as_format(fmt).resolve(platform.target_from_name("cpu"))
+        layout = ops.OPS[self.op].layout(structs, {k: v for k, v in options.items()
+                                                   if k != "out_format"}, fmt)
+        return [tensor[0] == "..." for tensor in layout.rule.sides()[0]]
 
     def bytes_moved(self, size: str, tokens: int, dtype=jnp.bfloat16) -> int:
         """Bytes of its inputs and outputs at ``sizes[size]`` (each read or written once)."""
@@ -76,6 +84,7 @@ _KDA = {"kimi-linear-kda": dict(heads=32, dim=128),
 _MLA_OUT = {"kimi-k3-mla-out-tp8": dict(n=12 * 128),  # one rank of TP8
             "kimi-k3-mla-out": dict(n=96 * 128)}
 _QKV_SIZES = {**_MLA, "test": dict(dq=64, dkv=16, rope=3)}
+_FP8 = "fp8_per_token"
 
 
 def _qkv_example(t, dt, dq, dkv, rope):
@@ -92,106 +101,114 @@ def _gated_example(t, dt, heads, dim):
     return (S((t, heads, dim), dt), S((dim,), jnp.float32), S((t, heads, dim), dt)), {}
 
 
-def _q_fp8_unfused(impl, outs, options):
-    """The norm's outputs with q quantized by the per-token FP8 kernel (a second launch)."""
-    return (kp.per_token_fp8_quant(outs[0], impl=impl, **options), *outs[1:])
+def _cols_example(inputs):
+    return lambda t, dt, n: (tuple(S((t, n), dt) for _ in range(inputs)), {})
 
 
-_CASES = [
-    BenchOp(ops.RMSNORM, sizes={"deepseek-v3-mla": dict(d=1536), "test": dict(d=64)},  # the q latent
-            example=lambda t, dt, d: ((S((t, d), dt), S((d,), dt)), {})),
-    BenchOp(ops.FUSED_Q_KV_RMSNORM, sizes=_QKV_SIZES, example=_qkv_example,
-            unfused=lambda impl, q, kv, wq, wkv: (kp.rmsnorm(q, wq, impl=impl),
-                                                  kp.rmsnorm(kv, wkv, impl=impl))),
-    BenchOp(ops.MLA_Q_KV_NORM, sizes=_QKV_SIZES, example=_packed_example,
-            # What a user writes without it: XLA slices the packed rows, then the joint norm.
-            unfused=lambda impl, a, wq, wkv, q_size, kv_size, **o: (
-                *kp.fused_q_kv_rmsnorm(a[..., :q_size], a[..., q_size:q_size + kv_size], wq, wkv,
-                                       impl=impl), a[..., q_size + kv_size:])),
-    BenchOp(ops.RMSNORM_GATED,
-            sizes={k: _KDA[k] for k in ("kimi-linear-kda", "kimi-k3-kda-tp8")} | {"test": dict(heads=3, dim=32)},
-            example=_gated_example),
-    BenchOp(ops.RMSNORM_GATED_FP8_PER_TOKEN, sizes={**_KDA, "test": dict(heads=3, dim=32)},
-            example=_gated_example,
-            unfused=lambda impl, x, w, g, **o: kp.per_token_fp8_quant(
-                kp.rmsnorm_gated(x, w, g, impl=impl).reshape(x.shape[:-2] + (-1,)), impl=impl,
-                **{k: v for k, v in o.items() if k != "eps"})),
-    BenchOp(ops.PER_TOKEN_FP8_QUANT,
-            sizes={"kimi-linear-kda": dict(n=32 * 128), "test": dict(n=64)},  # the o_proj input
-            example=lambda t, dt, n: ((S((t, n), dt),), {})),
-    BenchOp(ops.SIGMOID_MUL_FP8_PER_TOKEN, sizes={**_MLA_OUT, "test": dict(n=96)},
-            example=lambda t, dt, n: ((S((t, n), dt), S((t, n), dt)), {}),
-            # Unfused: XLA's elementwise gate in x's dtype, then the per-token FP8 kernel.
-            unfused=lambda impl, x, g, **o: kp.per_token_fp8_quant(
-                (x.astype(jnp.float32) * jax.nn.sigmoid(g.astype(jnp.float32))).astype(x.dtype),
-                impl=impl, **o)),
-    BenchOp(ops.FUSED_Q_KV_RMSNORM_FP8, sizes=_QKV_SIZES, example=_qkv_example,
-            # Unfused: the joint norm to bf16, then the per-token FP8 kernel on q.
-            unfused=lambda impl, q, kv, wq, wkv, **o: _q_fp8_unfused(
-                impl, kp.fused_q_kv_rmsnorm(q, kv, wq, wkv, impl=impl), o)),
-    BenchOp(ops.MLA_Q_KV_NORM_FP8, sizes=_QKV_SIZES, example=_packed_example,
-            unfused=lambda impl, a, wq, wkv, **o: _q_fp8_unfused(
-                impl, kp.mla_q_kv_norm(a, wq, wkv, impl=impl, q_size=o.pop("q_size"),
-                                       kv_size=o.pop("kv_size")), o)),
-]
+def _formatted(example, fmt=None):
+    """``example`` with ``out_format``: ``fmt``, or the size's own (``fmt`` of an MX size)."""
+    def with_format(t, dt, fmt=fmt, **size):
+        structs, options = example(t, dt, **size)
+        return structs, dict(options, out_format=fmt)
+    return with_format
 
 
-# The MX variants (out_format "mxfp4" / "mxfp8"): the Kimi-K3 shapes, MXFP4 first (the MI355X o_proj
-# route). Unfused: the op's bf16 result, then jax's own MX quantization compiled by XLA.
-def _mx_sizes(base: dict, formats=("mxfp4",), extra=()) -> dict:
-    sizes = {f"{name}-{fmt}": dict(size, fmt=fmt) for fmt in formats for name, size in base.items()}
+def _quantized(y, fmt, impl):
+    """``y`` quantized to ``fmt``: per token by the k3pallas kernel (a second launch); MX by
+    jax's own MX quantization compiled by XLA."""
+    if fmt == _FP8:
+        return kp.quantize(y, fmt, impl=impl)
+    from k3pallas import _compat
+
+    return _compat.jax_mx_quantize(y, formats.as_format(fmt).dtype)
+
+
+def _q_unfused(norm):
+    """The joint norms' unfused form: the bf16 norm, then q quantized in another launch."""
+    def unfused(impl, *arrays, out_format, **options):
+        q, *rest = norm(*arrays, impl=impl, **options)
+        return (_quantized(q, out_format, impl), *rest)
+    return unfused
+
+
+def _gated_unfused(impl, x, w, g, out_format, **options):
+    y = kp.rmsnorm_gated(x, w, g, impl=impl, **options)
+    return _quantized(y.reshape(x.shape[:-2] + (-1,)), out_format, impl)
+
+
+def _sigmoid_mul_unfused(impl, x, g, out_format):
+    """XLA's elementwise gate in x's dtype, then the quantization."""
+    y = (x.astype(jnp.float32) * jax.nn.sigmoid(g.astype(jnp.float32))).astype(x.dtype)
+    return _quantized(y, out_format, impl)
+
+
+def _mx_sizes(base: dict, formats_=("mxfp4",), extra=()) -> dict:
+    """MX configs: ``<config>-<format>`` for each base config and format (MXFP4 first: the MI355X
+    o_proj route)."""
+    sizes = {f"{name}-{fmt}": dict(size, fmt=fmt) for fmt in formats_ for name, size in base.items()}
     sizes.update({f"{name}-{fmt}": dict(base[name], fmt=fmt) for name, fmt in extra})
     return sizes
 
 
-def _mx_unfused(y, fmt):
-    from k3pallas import _compat, mx
-
-    return _compat.jax_mx_quantize(y, mx.mx_format(fmt).dtype)
-
-
-def _with_format(example):
-    def mx_example(t, dt, fmt, **size):
-        structs, options = example(t, dt, **size)
-        return structs, dict(options, out_format=fmt)
-    return mx_example
-
-
 _KDA_MX = {k: _KDA[k] for k in ("kimi-k3-kda-tp8", "kimi-k3-kda")}
-_CASES += [
-    BenchOp(ops.RMSNORM_GATED_MX, public="rmsnorm_gated_quant",
-            sizes={**_mx_sizes(_KDA_MX, extra=[("kimi-k3-kda-tp8", "mxfp8")]),
-                   "test": dict(heads=3, dim=64, fmt="mxfp4")},
-            example=_with_format(_gated_example),
-            unfused=lambda impl, x, w, g, out_format: _mx_unfused(
-                kp.rmsnorm_gated(x, w, g, impl=impl).reshape(x.shape[:-2] + (-1,)), out_format)),
-    BenchOp(ops.MX_QUANT, public="quantize_activation",
-            sizes={**_mx_sizes({"deepseek-v3-mla-q": dict(n=1536)}, ("mxfp4", "mxfp8")),
-                   "test": dict(n=96, fmt="mxfp8")},
-            example=_with_format(lambda t, dt, n: ((S((t, n), dt),), {})),
-            unfused=lambda impl, x, out_format: _mx_unfused(x, out_format)),
-    BenchOp(ops.SIGMOID_MUL_MX, public="sigmoid_mul_quant",
-            sizes={**_mx_sizes(_MLA_OUT), "test": dict(n=96, fmt="mxfp4")},
-            example=_with_format(lambda t, dt, n: ((S((t, n), dt), S((t, n), dt)), {})),
-            unfused=lambda impl, x, g, out_format: _mx_unfused(
-                (x.astype(jnp.float32) * jax.nn.sigmoid(g.astype(jnp.float32))).astype(x.dtype),
-                out_format)),
-    BenchOp(ops.FUSED_Q_KV_RMSNORM_MX, public="fused_q_kv_rmsnorm_quant",
-            sizes={**_mx_sizes(_MLA), "test": dict(dq=64, dkv=16, rope=3, fmt="mxfp8")},
-            example=_with_format(_qkv_example),
-            unfused=lambda impl, q, kv, wq, wkv, out_format: (lambda outs: (
-                _mx_unfused(outs[0], out_format), outs[1]))(kp.fused_q_kv_rmsnorm(q, kv, wq, wkv, impl=impl))),
-    BenchOp(ops.MLA_Q_KV_NORM_MX, public="mla_q_kv_norm_quant",
-            sizes={**_mx_sizes(_MLA), "test": dict(dq=64, dkv=16, rope=3, fmt="mxfp4")},
-            example=_with_format(_packed_example),
-            unfused=lambda impl, a, wq, wkv, q_size, kv_size, out_format: (lambda outs: (
-                _mx_unfused(outs[0], out_format), *outs[1:]))(
-                    kp.mla_q_kv_norm(a, wq, wkv, impl=impl, q_size=q_size, kv_size=kv_size))),
+
+_CASES = [
+    # Unquantized outputs.
+    BenchOp("rmsnorm", None, {"deepseek-v3-mla": dict(d=1536), "test": dict(d=64)},  # the q latent
+            lambda t, dt, d: ((S((t, d), dt), S((d,), dt)), {})),
+    BenchOp("fused_q_kv_rmsnorm", None, _QKV_SIZES, _qkv_example,
+            unfused=lambda impl, q, kv, wq, wkv: (kp.rmsnorm(q, wq, impl=impl),
+                                                  kp.rmsnorm(kv, wkv, impl=impl))),
+    BenchOp("mla_q_kv_norm", None, _QKV_SIZES, _packed_example,
+            # What a user writes without it: XLA slices the packed rows, then the joint norm.
+            unfused=lambda impl, a, wq, wkv, q_size, kv_size, **o: (
+                *kp.fused_q_kv_rmsnorm(a[..., :q_size], a[..., q_size:q_size + kv_size], wq, wkv,
+                                       impl=impl), a[..., q_size + kv_size:])),
+    BenchOp("rmsnorm_gated", None,
+            {k: _KDA[k] for k in ("kimi-linear-kda", "kimi-k3-kda-tp8")} | {"test": dict(heads=3, dim=32)},
+            _gated_example),
+    BenchOp("sigmoid_mul", None, {"kimi-k3-mla-out-tp8": _MLA_OUT["kimi-k3-mla-out-tp8"],
+                                  "test": dict(n=96)}, _cols_example(2)),
+    # Per-token FP8.
+    BenchOp("rmsnorm_gated", _FP8, {**_KDA, "test": dict(heads=3, dim=32)},
+            _formatted(_gated_example, _FP8), unfused=_gated_unfused),
+    BenchOp("quantize", _FP8, {"kimi-linear-kda": dict(n=32 * 128), "test": dict(n=64)},  # o_proj in
+            _formatted(_cols_example(1), _FP8)),
+    BenchOp("sigmoid_mul", _FP8, {**_MLA_OUT, "test": dict(n=96)},
+            _formatted(_cols_example(2), _FP8), unfused=_sigmoid_mul_unfused),
+    BenchOp("fused_q_kv_rmsnorm", _FP8, _QKV_SIZES, _formatted(_qkv_example, _FP8),
+            unfused=_q_unfused(kp.fused_q_kv_rmsnorm)),
+    BenchOp("mla_q_kv_norm", _FP8, _QKV_SIZES, _formatted(_packed_example, _FP8),
+            unfused=_q_unfused(kp.mla_q_kv_norm)),
+    BenchOp("rmsnorm", _FP8, {"deepseek-v3-mla": dict(d=1536), "test": dict(d=64)},
+            _formatted(lambda t, dt, d: ((S((t, d), dt), S((d,), dt)), {}), _FP8),
+            unfused=lambda impl, x, w, out_format: _quantized(kp.rmsnorm(x, w, impl=impl),
+                                                               out_format, impl)),
+    # MX (MXFP4 / MXFP8 by the config): unfused, the op's bf16 result, then jax's own MX
+    # quantization compiled by XLA.
+    BenchOp("rmsnorm_gated", "mx", {**_mx_sizes(_KDA_MX, extra=[("kimi-k3-kda-tp8", "mxfp8")]),
+                                    "test": dict(heads=3, dim=64, fmt="mxfp4")},
+            _formatted(_gated_example), unfused=_gated_unfused),
+    BenchOp("quantize", "mx", {**_mx_sizes({"deepseek-v3-mla-q": dict(n=1536)}, ("mxfp4", "mxfp8")),
+                               "test": dict(n=96, fmt="mxfp8")},
+            _formatted(_cols_example(1)),
+            unfused=lambda impl, x, out_format: _quantized(x, out_format, impl)),
+    BenchOp("sigmoid_mul", "mx", {**_mx_sizes(_MLA_OUT), "test": dict(n=96, fmt="mxfp4")},
+            _formatted(_cols_example(2)), unfused=_sigmoid_mul_unfused),
+    BenchOp("fused_q_kv_rmsnorm", "mx", {**_mx_sizes(_MLA), "test": dict(dq=64, dkv=16, rope=3, fmt="mxfp8")},
+            _formatted(_qkv_example), unfused=_q_unfused(kp.fused_q_kv_rmsnorm)),
+    BenchOp("mla_q_kv_norm", "mx", {**_mx_sizes(_MLA), "test": dict(dq=64, dkv=16, rope=3, fmt="mxfp4")},
+            _formatted(_packed_example), unfused=_q_unfused(kp.mla_q_kv_norm)),
+    BenchOp("rmsnorm", "mx", {**_mx_sizes({"deepseek-v3-mla": dict(d=1536)}), "test": dict(d=64, fmt="mxfp4")},
+            _formatted(lambda t, dt, d: ((S((t, d), dt), S((d,), dt)), {})),
+            unfused=lambda impl, x, w, out_format: _quantized(kp.rmsnorm(x, w, impl=impl),
+                                                               out_format, impl)),
 ]
 
 OPS: dict[str, BenchOp] = {case.name: case for case in _CASES}
-if set(OPS) != set(ops.OPS):
-    raise RuntimeError(f"bench.cases: ops without a benchmark view: {sorted(set(ops.OPS) - set(OPS))}")
+_missing = set(ops.OPS) - {case.op for case in _CASES}
+if _missing:
+    raise RuntimeError(f"bench.cases: ops without a benchmark view: {sorted(_missing)}")
 
 
 # Decode steps (1 to 256 tokens: batch x speculative tokens), then prefill sizes.
@@ -201,7 +218,7 @@ QUICK_TOKENS = (1, 64)
 # The KDA output path with its FP8 o_proj (bench.ops.make_case): Kimi-K3's KDA heads, eps and
 # hidden size (the o_proj's output width).
 KDA_OUTPUT = {name: dict(_KDA[name], eps=1e-5, hidden=7168) for name in ("kimi-k3-kda-tp8", "kimi-k3-kda")}
-# Each op's model configs (headline first), then the integration path's.
+# Each case's model configs (headline first), then the integration path's.
 OP_CONFIGS = {**{name: case.configs for name, case in OPS.items()}, "kda_output_fp8": tuple(KDA_OUTPUT)}
 ALL = tuple(OP_CONFIGS)
 # Default token counts where a path differs from DEFAULT_TOKENS: the KDA output path is bound by

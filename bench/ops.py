@@ -1,21 +1,22 @@
 """What the benchmark measures for each op: its inputs, its variants and its minimum bytes.
 
-The ops, their shapes, their unfused form and whether they write FP8 come from the op table
-(``k3pallas.ops``); bytes moved are the inputs' and outputs' sizes. Variants (same inputs, same
+The cases, their shapes, their unfused form and their output format come from ``bench.cases``;
+bytes moved are the inputs' and outputs' sizes. Variants (same inputs, same
 process):
 
 * ``k3pallas``: the fused k3pallas kernel (one launch);
-* ``unfused``: the op's ``unfused`` form in the table (the k3pallas path without the fusion,
-  e.g. two ``rmsnorm`` launches; ``rmsnorm_gated`` then ``per_token_fp8_quant``), where it has one;
+* ``unfused``: the case's ``unfused`` form (``bench.cases``: the k3pallas path without the
+  fusion, e.g. two ``rmsnorm`` launches; ``rmsnorm_gated`` then ``quantize``), where it has one;
 * ``xla``: the jnp reference compiled by XLA (what a JAX user gets without this package);
 * ``copy``: a device-to-device copy moving the same number of bytes, the bandwidth ceiling;
 * ``encoder`` (FP8 ops): the fused kernel with ``fp8_cast="encoder"``, the integer encoder in
   place of the native conversion (what gfx942 runs without the native path).
 
-One integration path, not an op, is measured the same way: ``kda_output_fp8``, the KDA output path up to the FP8 o_proj (``k3pallas``: the fused gated FP8
-kernel then ``fp8_linear``; ``unfused``: ``rmsnorm_gated``, ``per_token_fp8_quant``, then
-``fp8_linear``; ``xla``: the jnp norm and quant, then ``fp8_linear``; ``bf16``: the jnp gated
-norm in bf16 and a bf16 o_proj). The o_proj GEMM dominates there, so "% copy" says little.
+One integration path, not an op, is measured the same way: ``kda_output_fp8``, the KDA output
+path up to the FP8 o_proj (``k3pallas``: the fused gated FP8 kernel then ``linear``; ``unfused``:
+``rmsnorm_gated``, ``quantize``, then ``linear``; ``xla``: the jnp norm and quant, then
+``linear``; ``bf16``: the jnp gated norm in bf16 and a bf16 o_proj). The o_proj GEMM dominates
+there, so "% copy" says little.
 """
 
 from __future__ import annotations
@@ -95,35 +96,33 @@ def make_case(op: str, config_name: str, tokens: int, dtype: str, impl: str) -> 
     if op in ops.OPS:
         make, variants, inb, outb, launch_cfg = _op_case(ops.OPS[op], config_name, tokens, dt, impl)
         return Case(op, config_name, tokens, dt.name, make, variants, inb + outb, inb, launch_cfg)
-    fp8_dtype = kp.default_fp8_dtype()
+    fmt = kp.Fp8PerToken(kp.default_fp8_dtype())
     if op == "kda_output_fp8":
         cfg = ops.KDA_OUTPUT[config_name]
         h, d, eps, hidden = cfg["heads"], cfg["dim"], cfg["eps"], cfg["hidden"]
         # One weight for every input set (it is a parameter; rotation applies to activations).
         w_o = _rand(jax.random.PRNGKey(1234), (h * d, hidden), dt) * (h * d) ** -0.5
-        w8, ws = kp.quantize_weight_per_channel(w_o, fp8_dtype=fp8_dtype, w_layout="nk")
+        qw = kp.quantize_weight(w_o, fmt)
 
         def make(seed):
             k = jax.random.split(jax.random.PRNGKey(seed), 3)
             return (_rand(k[0], (tokens, h, d), dt), _rand(k[1], (d,), jnp.float32),
-                    _rand(k[2], (tokens, h, d), dt), w8, ws, w_o)
+                    _rand(k[2], (tokens, h, d), dt), qw, w_o)
 
-        def o_proj(qa, w8, ws):
-            return kp.fp8_linear(qa, w8, ws, out_dtype=dt, w_layout="nk")
+        def o_proj(qa, qw):
+            return kp.linear(qa, qw, out_dtype=dt)
 
-        def fused(x, w, g, w8, ws, w_o):
-            return o_proj(kp.rmsnorm_gated_fp8_per_token(x, w, g, eps, fp8_dtype=fp8_dtype,
-                                                         impl=impl), w8, ws)
+        def fused(x, w, g, qw, w_o):
+            return o_proj(kp.rmsnorm_gated(x, w, g, eps, out_format=fmt, impl=impl), qw)
 
-        def unfused(x, w, g, w8, ws, w_o):
+        def unfused(x, w, g, qw, w_o):
             y = kp.rmsnorm_gated(x, w, g, eps, impl=impl).reshape(tokens, h * d)
-            return o_proj(kp.per_token_fp8_quant(y, fp8_dtype=fp8_dtype, impl=impl), w8, ws)
+            return o_proj(kp.quantize(y, fmt, impl=impl), qw)
 
-        def xla(x, w, g, w8, ws, w_o):
-            return o_proj(kp.rmsnorm_gated_fp8_per_token(x, w, g, eps, fp8_dtype=fp8_dtype,
-                                                         impl="reference"), w8, ws)
+        def xla(x, w, g, qw, w_o):
+            return o_proj(kp.rmsnorm_gated(x, w, g, eps, out_format=fmt, impl="reference"), qw)
 
-        def bf16(x, w, g, w8, ws, w_o):
+        def bf16(x, w, g, qw, w_o):
             y = kp.rmsnorm_gated(x, w, g, eps, impl="reference").reshape(tokens, h * d)
             return jnp.dot(y, w_o, preferred_element_type=jnp.float32).astype(dt)
         variants = {"k3pallas": j(fused), "unfused": j(unfused), "xla": j(xla), "bf16": j(bf16)}
@@ -131,7 +130,8 @@ def make_case(op: str, config_name: str, tokens: int, dtype: str, impl: str) -> 
         outb = _nbytes((tokens, hidden), dt)
         launch_cfg = None
         if impl == "pallas":
-            launch_cfg = _launch_of(fused, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in make(0)])
+            launch_cfg = _launch_of(fused, jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), make(0)))
         return Case(op, config_name, tokens, dt.name, make, variants, inb + outb, inb, launch_cfg)
     raise KeyError(f"unknown op {op!r}; known: {ops.ALL}")
 

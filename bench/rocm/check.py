@@ -61,8 +61,8 @@ PROGRAM_TOKENS = (64, 4096)
 
 
 def cases(tokens, ops, casts=FP8_CASTS) -> list[dict]:
-    """Every (op, config, T[, fp8 cast]) the gate compiles: each op of the op table
-    (``k3pallas.ops``) on its model configs; an FP8 op with each conversion path; an MXFP8 op
+    """Every (case, config, T[, fp8 cast]) the gate compiles: each case of ``bench.cases`` (an op
+    with an output format) on its model configs; per-token FP8 with each conversion path; MXFP8
     too, its native e4m3fn conversion on gfx950 only (gfx942 converts natively to e4m3fnuz only,
     so there MXFP8 is the encoder's); MXFP4 has the encoder only."""
     from bench import cases as op_table
@@ -147,25 +147,13 @@ SHARDED_TOKENS = (8, 512)  # 1 and 64 tokens per device
 SHARDINGS = ("shard_map", "named")
 
 
-def _sharded_config(name, op) -> str:
-    """The config an op is sharded at: its head / column axis divisible by 8 (jax is imported
-    only where needed: the pip-triton compile process must not load it)."""
-    from k3pallas import ops as table
-
-    return {table.RMSNORM_GATED.name: "kimi-linear-kda",
-            table.RMSNORM_GATED_FP8_PER_TOKEN.name: "kimi-k3-kda",
-            table.SIGMOID_MUL_FP8_PER_TOKEN.name: "kimi-k3-mla-out",
-            table.RMSNORM_GATED_MX.name: "kimi-k3-kda-mxfp4"}.get(name, op.configs[0])
-
-
-def _head_sharded(name) -> bool:
-    """Whether the "named" case shards the op's axis 1 (heads of [T, H, D]; columns of [T, N])
-    besides the tokens; the norms over their last axis shard the tokens."""
-    from k3pallas import ops as table
-
-    return name in (table.RMSNORM_GATED.name, table.RMSNORM_GATED_FP8_PER_TOKEN.name,
-                    table.PER_TOKEN_FP8_QUANT.name, table.SIGMOID_MUL_FP8_PER_TOKEN.name,
-                    table.RMSNORM_GATED_MX.name, table.MX_QUANT.name, table.SIGMOID_MUL_MX.name)
+# The config a case is sharded at: its head / column axis divisible by 8.
+_SHARDED_CONFIG = {"rmsnorm_gated": "kimi-linear-kda", "rmsnorm_gated_fp8_per_token": "kimi-k3-kda",
+                   "sigmoid_mul_fp8_per_token": "kimi-k3-mla-out",
+                   "rmsnorm_gated_mx": "kimi-k3-kda-mxfp4"}
+# The ops whose "named" case shards axis 1 (heads of [T, H, D]; columns of [T, N]) besides the
+# tokens; the norms over their last axis shard the tokens.
+_HEAD_SHARDED_OPS = ("rmsnorm_gated", "sigmoid_mul", "quantize")
 
 
 SHARDED_PROGRAMS = ("kda_out_fp8_tp8_named", "mla_out_fp8_tp8_shard_map")
@@ -184,7 +172,8 @@ def sharded_cases(ops=None) -> list[dict]:
             continue
         for mode in SHARDINGS:
             for t in SHARDED_TOKENS:
-                out.append({"sharded": mode, "op": name, "config": _sharded_config(name, op),
+                out.append({"sharded": mode, "op": name,
+                            "config": _SHARDED_CONFIG.get(name, op.configs[0]),
                             "tokens": t, **({"fp8_cast": "native"} if op.fp8 else {})})
     if not ops:
         out += [{"sharded": p.rsplit("_tp8_", 1)[1], "op": p, "config": "kimi-k3 TP8", "tokens": t,
@@ -198,6 +187,7 @@ def sharded_fn(case, mesh):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    import k3pallas as kp
     from bench import cases as op_table
     from k3pallas.models import kimi_k3
 
@@ -214,8 +204,22 @@ def sharded_fn(case, mesh):
                 p = jax.eval_shape(lambda: kimi_k3.init_kda_out(key, cfg))
             else:
                 p = jax.eval_shape(lambda: kimi_k3.init_mla_out(key, cfg))
-        specs = {"w_o": P("x", None), "w_o_fp8": P(None, "x")}  # row-parallel o_proj (K split)
-        params = {k: jax.tree.map(lambda a, s=specs.get(k, P()): on(a, s), v) for k, v in p.items()}
+        # Row-parallel o_proj (K split): the bf16 weight's rows, the FP8 copy's columns (it is
+        # stored [N, K]); the per-channel scales and the MXFP4 copy replicated.
+        specs = {"w_o": P("x", None), "w_o_fp8": (P(None, "x"), P())}
+
+        def place(name, value):
+            spec = specs.get(name, P())
+            if isinstance(value, kp.QuantizedWeight):
+                data_spec, scale_spec = spec if isinstance(spec, tuple) else (P(), P())
+                return jax.tree.unflatten(jax.tree.structure(value),
+                                          [on(value.data, data_spec), on(value.scale, scale_spec)])
+            return on(value, spec)
+        params = {k: place(k, v) for k, v in p.items()}
+        param_specs = {k: (jax.tree.unflatten(jax.tree.structure(v), list(specs[k]))
+                           if isinstance(v, kp.QuantizedWeight) and isinstance(specs.get(k), tuple)
+                           else jax.tree.map(lambda _: specs.get(k, P()), v))
+                       for k, v in p.items()}
         if case["op"].startswith("kda"):  # jit with NamedSharding: heads over the 8 devices
             hd = on(jax.ShapeDtypeStruct((t, cfg.kda_heads, cfg.kda_head_dim), bf16), P(None, "x", None))
             return (lambda p, o, g: kimi_k3.kda_out_fp8(p, o, g, cfg=cfg, impl="pallas", fp8_cast=cast),
@@ -227,21 +231,21 @@ def sharded_fn(case, mesh):
             out = kimi_k3.mla_out_fp8(p, a, g, impl="pallas", fp8_cast=cast)
             return jax.lax.psum(out.astype(jnp.float32), "x").astype(bf16)
 
-        fn = jax.shard_map(rank, mesh=mesh, in_specs=({k: specs.get(k, P()) for k in p}, P(None, "x"),
-                                                       P(None, "x")), out_specs=P())
+        fn = jax.shard_map(rank, mesh=mesh, in_specs=(param_specs, P(None, "x"), P(None, "x")),
+                           out_specs=P())
         return fn, [params, cols, cols]
 
     spec = op_table.OPS[case["op"]]
     structs, options = spec.example(t, jnp.dtype(bf16), **spec.sizes[case["config"]])
     if case.get("fp8_cast"):
         options = {**options, "fp8_cast": cast}
-    rows = [tensor[0] == "..." for tensor in spec.rule(options, structs).sides()[0]]
+    rows = spec.row_operands(structs, options)
     call = lambda *a: spec.fn(*a, impl="pallas", **options)  # noqa: E731
     if case["sharded"] == "shard_map":
         in_specs = tuple(P("x") if r else P() for r in rows)
         fn = jax.shard_map(call, mesh=mesh, in_specs=in_specs, out_specs=P("x"))
         return fn, [on(a, s) for a, s in zip(structs, in_specs)]
-    row_spec = P(None, "x") if _head_sharded(case["op"]) else P("x")
+    row_spec = P(None, "x") if spec.op in _HEAD_SHARDED_OPS else P("x")
     return call, [on(a, row_spec if r else P()) for a, r in zip(structs, rows)]
 
 
@@ -395,18 +399,15 @@ def problems(r) -> list[str]:
             out.append(f"FP8 format {r.get('fp8_formats')}, not the arch's {ARCH_FP8[r['arch']]}")
         if not fp8 and r.get("fp8_formats"):
             out.append(f"FP8 {r['fp8_formats']} in a program without FP8")
-        writes_codes = fp8 and ("fp8" in r["kernel"] or "quant" in r["kernel"]) \
-            and not r["kernel"].endswith("_scale_only")
+        writes_codes = fp8 and "fp8" in r["kernel"] and not r["kernel"].endswith("_scale_only")
         if writes_codes and NATIVE_CVT[r["arch"]] not in (r.get("fp8_cvt") or []):
             out.append(f"no native conversion ({NATIVE_CVT[r['arch']]}) in {r['kernel']}: "
                        f"{r.get('fp8_cvt')}")
-        if (r.get("occupancy") or 0) < MIN_OCCUPANCY:
-            out.append(f"occupancy {r.get('occupancy')} < {MIN_OCCUPANCY}")
     if (r.get("vgpr_spill") or 0) or (r.get("sgpr_spill") or 0):
         out.append(f"spills ({r['vgpr_spill']} VGPR, {r['sgpr_spill']} SGPR)")
     if r.get("scratch"):
         out.append(f"scratch {r['scratch']} bytes")
-    if r["op"].startswith(("fused", "rmsnorm", "per_token", "mla")) and (r.get("occupancy") or 0) < MIN_OCCUPANCY:
+    if r.get("kernel", "").startswith("k3pallas_") and (r.get("occupancy") or 0) < MIN_OCCUPANCY:
         out.append(f"occupancy {r.get('occupancy')} < {MIN_OCCUPANCY}")
     return out
 
@@ -459,7 +460,7 @@ def markdown(results, meta, programs=(), other=None) -> str:
                   "Deviceless there is no autotuning: XLA takes its default choice for the GEMMs "
                   "(on a MI300X / MI355X with a device it may autotune to another). "
                   "`*_mxfp4_tp8`: one TP8 rank's KDA / MLA output, our MXFP4 kernel feeding "
-                  "`jax.nn.scaled_matmul` (`mx_linear`) with an MXFP4 weight; gated: exactly our "
+                  "`jax.nn.scaled_matmul` (`linear`) with an MXFP4 weight; gated: exactly our "
                   "launch and one GEMM (no copy or unpack between), on gfx950 with MX matrix "
                   "instructions (`v_mfma_scale_*`).", "",
                   "| arch | program | T | kernel launches (ours **bold**) | custom calls | the GEMMs become | gate |",

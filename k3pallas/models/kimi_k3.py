@@ -4,12 +4,12 @@
   -> ``mla_q_kv_norm`` (q and kv latents normalized, rope part passed) -> the q_b projection to
   ``[T, heads, 128 + 64]``;
 * the Kimi Delta Attention output path: attention output and gate ``[T, H, 128]`` ->
-  ``rmsnorm_gated_fp8_per_token`` -> FP8 o_proj (``fp8_linear`` with a per-channel FP8 weight)
+  ``rmsnorm_gated`` with per-token FP8 -> FP8 o_proj (``linear`` with a per-channel FP8 weight)
   -> ``[T, 7168]``; with H = 96 (the whole layer) or 12 (one rank of TP8, whose o_proj output is
   the rank's partial sum before the all-reduce);
-* both output paths also as MXFP4 (the MI355X route): ``rmsnorm_gated_quant`` /
-  ``sigmoid_mul_quant`` with ``out_format="mxfp4"`` -> ``mx_linear`` (``jax.nn.scaled_matmul``)
-  with an MXFP4 copy of the o_proj weight (``kda_out_mx`` / ``mla_out_mx``).
+* both output paths also as MXFP4 (the MI355X route): ``rmsnorm_gated`` / ``sigmoid_mul`` with
+  ``out_format="mxfp4"`` -> ``linear`` (``jax.nn.scaled_matmul``) with an MXFP4 copy of the
+  o_proj weight (``kda_out_mx`` / ``mla_out_mx``).
 
 Each has a bf16 reference path (slices and jnp norms; ``rmsnorm_gated`` in bf16 and a bf16
 o_proj). ``python -m k3pallas.models.kimi_k3`` runs them and prints the relative error of each
@@ -66,12 +66,11 @@ def _dense(key, fan_in, fan_out, dtype):
 def init_mla_front(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16, fp8_dtype=None) -> dict:
     k = jax.random.split(key, 4)
     w_q_b = _dense(k[3], cfg.q_lora_rank, cfg.mla_heads * (cfg.nope_dim + cfg.rope_dim), dtype)
-    w8, ws = kp.quantize_weight_per_channel(w_q_b, fp8_dtype=fp8_dtype, w_layout="nk")
     return {
         "w_qkv_a": _dense(k[0], cfg.hidden, cfg.qkv_a_width, dtype),
         "q_norm": (1 + 0.1 * jax.random.normal(k[1], (cfg.q_lora_rank,))).astype(dtype),
         "kv_norm": (1 + 0.1 * jax.random.normal(k[2], (cfg.kv_lora_rank,))).astype(dtype),
-        "w_q_b": w_q_b, "w_q_b_fp8": w8, "w_q_b_scale": ws,
+        "w_q_b": w_q_b, "w_q_b_fp8": kp.quantize_weight(w_q_b, kp.Fp8PerToken(fp8_dtype)),
     }
 
 
@@ -83,35 +82,34 @@ def init_mla_front(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16, fp8_dtype=Non
 def init_mla_out(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16, fp8_dtype=None,
                  heads: int | None = None) -> dict:
     """The MLA o_proj ``[H * 128, hidden]`` (H = ``heads``, default ``cfg.kda_heads``: 96, or 12
-    per TP8 rank) and its per-channel FP8 copy (``w_layout="nk"``)."""
+    per TP8 rank), its per-channel FP8 copy and its MXFP4 copy (``QuantizedWeight``s, "nk")."""
     heads = cfg.kda_heads if heads is None else heads
     w_o = _dense(key, heads * cfg.kda_head_dim, cfg.hidden, dtype)
-    w8, ws = kp.quantize_weight_per_channel(w_o, fp8_dtype=fp8_dtype, w_layout="nk")
-    return {"w_o": w_o, "w_o_fp8": w8, "w_o_scale": ws,
-            "w_o_mx": kp.quantize_weight_mx(w_o, out_format="mxfp4")}
+    return {"w_o": w_o, "w_o_fp8": kp.quantize_weight(w_o, kp.Fp8PerToken(fp8_dtype)),
+            "w_o_mx": kp.quantize_weight(w_o, "mxfp4")}
 
 
 def mla_out_mx(params: dict, attn, gate, *, impl: str = "auto", out_dtype=jnp.bfloat16):
-    """As ``mla_out_fp8`` with MX: ``sigmoid_mul_quant`` (one launch) in the format of
-    ``params["w_o_mx"]`` (MXFP4 from ``init_mla_out``), then ``mx_linear``."""
+    """As ``mla_out_fp8`` with MX: ``sigmoid_mul`` (one launch) in the format of
+    ``params["w_o_mx"]`` (MXFP4 from ``init_mla_out``), then ``linear``."""
     w = params["w_o_mx"]
-    qa = kp.sigmoid_mul_quant(attn, gate, out_format=_mx_format(w), impl=impl)
-    return kp.mx_linear(qa, w, out_dtype=out_dtype)
+    qa = kp.sigmoid_mul(attn, gate, out_format=w.format, impl=impl)
+    return kp.linear(qa, w, out_dtype=out_dtype)
 
 
-def _mx_format(w: kp.QuantizedWeight) -> str:
-    return "mxfp4" if w.data.dtype == jnp.float4_e2m1fn else "mxfp8"
+def _per_token(w: kp.QuantizedWeight) -> kp.Fp8PerToken:
+    """The activation format matching a per-channel FP8 weight: its element dtype."""
+    return kp.Fp8PerToken(w.format.dtype)
 
 
 def mla_out_fp8(params: dict, attn, gate, *, impl: str = "auto", out_dtype=jnp.bfloat16,
                 fp8_cast=None):
     """``attn, gate [T, H * 128]`` -> ``[T, hidden]``: Kimi-K3's MLA output gate
-    ``attn * sigmoid(gate)`` fused with per-token FP8 (``sigmoid_mul_fp8_per_token``, one
-    launch), then the FP8 o_proj. ``fp8_cast``: passed to the FP8 op."""
-    qa = kp.sigmoid_mul_fp8_per_token(attn, gate, fp8_dtype=params["w_o_fp8"].dtype,
-                                      fp8_cast=fp8_cast, impl=impl)
-    return kp.fp8_linear(qa, params["w_o_fp8"], params["w_o_scale"], out_dtype=out_dtype,
-                         w_layout="nk")
+    ``attn * sigmoid(gate)`` fused with per-token FP8 (``sigmoid_mul``, one launch), then the FP8
+    o_proj. ``fp8_cast``: passed to the FP8 op."""
+    w = params["w_o_fp8"]
+    qa = kp.sigmoid_mul(attn, gate, out_format=_per_token(w), fp8_cast=fp8_cast, impl=impl)
+    return kp.linear(qa, w, out_dtype=out_dtype)
 
 
 def mla_out_reference(params: dict, attn, gate, *, dtype=jnp.bfloat16):
@@ -125,16 +123,16 @@ def mla_front(params: dict, x, *, cfg: Config = KIMI_K3, impl: str = "auto", q_f
 
     ``impl="reference"`` is the bf16 reference path: XLA slices the packed projection and runs
     the jnp norms. ``q_fp8=True``: the norm quantizes q to per-token FP8 in the same launch
-    (``mla_q_kv_norm_fp8``) and q_b is an FP8 matmul with the per-channel FP8 copy of its
-    weight (``params["w_q_b_fp8"]``, from ``init_mla_front``).
+    (``mla_q_kv_norm`` with ``out_format``) and q_b is an FP8 matmul with the per-channel FP8
+    copy of its weight (``params["w_q_b_fp8"]``, from ``init_mla_front``).
     """
     qkv_a = jnp.dot(x, params["w_qkv_a"], preferred_element_type=jnp.float32).astype(x.dtype)
     norm_args = (qkv_a, params["q_norm"], params["kv_norm"], cfg.mla_eps)
     sizes = dict(q_size=cfg.q_lora_rank, kv_size=cfg.kv_lora_rank, impl=impl)
     if q_fp8:
-        w8, ws = params["w_q_b_fp8"], params["w_q_b_scale"]
-        qa, kv_c, k_pe = kp.mla_q_kv_norm_fp8(*norm_args, fp8_dtype=w8.dtype, **sizes)
-        q = kp.fp8_linear(qa, w8, ws, out_dtype=x.dtype, w_layout="nk")
+        w = params["w_q_b_fp8"]
+        qa, kv_c, k_pe = kp.mla_q_kv_norm(*norm_args, out_format=_per_token(w), **sizes)
+        q = kp.linear(qa, w, out_dtype=x.dtype)
     else:
         q_c, kv_c, k_pe = kp.mla_q_kv_norm(*norm_args, **sizes)
         q = jnp.dot(q_c, params["w_q_b"], preferred_element_type=jnp.float32).astype(x.dtype)
@@ -148,14 +146,14 @@ def mla_front(params: dict, x, *, cfg: Config = KIMI_K3, impl: str = "auto", q_f
 
 def init_kda_out(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16, fp8_dtype=None) -> dict:
     """Norm weight, bf16 o_proj ``[H * 128, hidden]`` and its per-channel FP8 copy, stored
-    ``[hidden, H * 128]`` (``w_layout="nk"``: what the FP8 GEMMs read without a transpose)."""
+    ``[hidden, H * 128]`` (layout "nk": what the FP8 GEMMs read without a transpose), and its
+    MXFP4 copy (the MI355X o_proj route)."""
     k = jax.random.split(key, 2)
     w_o = _dense(k[1], cfg.kda_heads * cfg.kda_head_dim, cfg.hidden, dtype)
-    w_o_fp8, w_o_scale = kp.quantize_weight_per_channel(w_o, fp8_dtype=fp8_dtype, w_layout="nk")
     return {
         "norm": (1 + 0.1 * jax.random.normal(k[0], (cfg.kda_head_dim,))).astype(jnp.float32),
-        "w_o": w_o, "w_o_fp8": w_o_fp8, "w_o_scale": w_o_scale,
-        "w_o_mx": kp.quantize_weight_mx(w_o, out_format="mxfp4"),  # the MI355X o_proj route
+        "w_o": w_o, "w_o_fp8": kp.quantize_weight(w_o, kp.Fp8PerToken(fp8_dtype)),
+        "w_o_mx": kp.quantize_weight(w_o, "mxfp4"),
     }
 
 
@@ -164,27 +162,26 @@ def kda_out_fp8(params: dict, o, gate, *, cfg: Config = KIMI_K3, impl: str = "au
     """``o, gate [T, H, 128]`` -> ``[T, hidden]``: gated norm + per-token FP8 + FP8 o_proj.
 
     ``fused=False`` runs the unfused k3pallas path (``rmsnorm_gated`` to bf16, then
-    ``per_token_fp8_quant``), for the benchmark. ``fp8_cast``: passed to the FP8 op.
+    ``quantize``), for the benchmark. ``fp8_cast``: passed to the FP8 op.
     """
-    fp8 = dict(fp8_dtype=params["w_o_fp8"].dtype, fp8_cast=fp8_cast, impl=impl)
+    w = params["w_o_fp8"]
+    fp8 = dict(out_format=_per_token(w), fp8_cast=fp8_cast, impl=impl)
     if fused:
-        qa = kp.rmsnorm_gated_fp8_per_token(o, params["norm"], gate, cfg.kda_eps, **fp8)
+        qa = kp.rmsnorm_gated(o, params["norm"], gate, cfg.kda_eps, **fp8)
     else:
         y = kp.rmsnorm_gated(o, params["norm"], gate, cfg.kda_eps, impl=impl)
-        qa = kp.per_token_fp8_quant(y.reshape(y.shape[0], -1), **fp8)
-    return kp.fp8_linear(qa, params["w_o_fp8"], params["w_o_scale"], out_dtype=out_dtype,
-                         w_layout="nk")
+        qa = kp.quantize(y.reshape(y.shape[0], -1), **fp8)
+    return kp.linear(qa, w, out_dtype=out_dtype)
 
 
 def kda_out_mx(params: dict, o, gate, *, cfg: Config = KIMI_K3, impl: str = "auto",
                out_dtype=jnp.bfloat16):
-    """``o, gate [T, H, 128]`` -> ``[T, hidden]``: the gated norm fused with MX
-    (``rmsnorm_gated_quant``, one launch; a block of 32 never crosses a head) in the format of
-    ``params["w_o_mx"]`` (MXFP4 from ``init_kda_out``), then ``mx_linear``."""
+    """``o, gate [T, H, 128]`` -> ``[T, hidden]``: the gated norm fused with MX (one launch; a
+    block of 32 never crosses a head) in the format of ``params["w_o_mx"]`` (MXFP4 from
+    ``init_kda_out``), then ``linear``."""
     w = params["w_o_mx"]
-    qa = kp.rmsnorm_gated_quant(o, params["norm"], gate, cfg.kda_eps, out_format=_mx_format(w),
-                                impl=impl)
-    return kp.mx_linear(qa, w, out_dtype=out_dtype)
+    qa = kp.rmsnorm_gated(o, params["norm"], gate, cfg.kda_eps, out_format=w.format, impl=impl)
+    return kp.linear(qa, w, out_dtype=out_dtype)
 
 
 def kda_out_reference(params: dict, o, gate, *, cfg: Config = KIMI_K3, dtype=jnp.bfloat16):
@@ -254,7 +251,7 @@ def run(tokens: int = 64, impl: str = "auto", seed: int = 0, cfg: Config = KIMI_
         r = {"fp8_vs_bf16": rel_error(y8, y16), "fp8_vs_f32": rel_error(y8, y32),
              "mxfp4_vs_bf16": rel_error(y4, y16),
              "bf16_vs_f32": rel_error(y16, y32), "seconds": time.perf_counter() - t0,
-             "fp8_dtype": str(params["w_o_fp8"].dtype)}
+             "fp8_dtype": str(params["w_o_fp8"].data.dtype)}
         results[f"kda_out_{heads}x{c.kda_head_dim}"] = r
         log(f"KDA output {heads}x{c.kda_head_dim} -> {c.hidden}  T={tokens} impl={impl} "
             f"({r['fp8_dtype']}): rel. error FP8 path vs bf16 path {r['fp8_vs_bf16']:.2e} "
