@@ -136,25 +136,25 @@ def _gated_layout(arrays, o, fmt):
 
 
 def _columns_layout(arrays, o, fmt):
-    """The column ops (sigmoid-mul, quantize): ``[..., N]`` as ``[..., G, j]``, a scale per
-    group: per token, ``j`` may be sharded (the scale reduced across devices); a block, never."""
+    """The column ops (sigmoid-mul, quantize), ``[..., N]``. Per token: as ``[..., G, j]``, a
+    scale per group; ``j`` may be sharded (the scale reduced across devices). A block format:
+    as they are, the columns sharded in whole blocks only, the scales ``[..., N / block]``
+    sharded alike."""
     n = len(arrays)
     if fmt is None:
-        ins = ", ".join(["... j"] * n)
-        return Layout(Rule(f"{ins} -> ... j"))
-    width = arrays[0].shape[-1]
-    g = fmt.scale_groups(width)
-    ins = ", ".join(["... g j"] * n)
-    if fmt.block is None:
-        rule, whole = Rule(f"{ins} -> ... g j, ... g", reduced=("j",)), ()
-    else:
-        what = f"a block of {fmt.block} columns of {{}}"
-        rule = Rule(f"{ins} -> ... g j, ... g", fixed=(("j", what),),
-                    split_whole=(("g", f"the {g} blocks of {fmt.block} columns of {{}}"),))
+        return Layout(Rule(", ".join(["... j"] * n) + " -> ... j"))
+    if fmt.block is not None:
         whole = tuple((i, f"the last axis of {name}", fmt.block)
                       for i, name in enumerate(("x", "gate")[:n]))
-    return Layout(rule, lambda a: tuple(_split_last(x, g) for x in a),
-                  lambda outs: (_merge_last(outs[0]), outs[1]), whole)
+        rule = Rule(", ".join(["... n"] * n) + " -> ... n, ... s", follows=(("s", "n"),),
+                    split_whole=(("n", fmt.block, "the last axis of {}"),),
+                    sdy=", ".join(["... (s e)"] * n) + " -> ... (s e), ... s",
+                    sdy_sizes=(("e", fmt.block),))
+        return Layout(rule, whole=whole)
+    g = fmt.scale_groups(arrays[0].shape[-1])
+    return Layout(Rule(", ".join(["... g j"] * n) + " -> ... g j, ... g", reduced=("j",)),
+                  lambda a: tuple(_split_last(x, g) for x in a),
+                  lambda outs: (_merge_last(outs[0]), outs[1]))
 
 
 RMSNORM = Op("rmsnorm", reference.rmsnorm, _rmsnorm_layout)

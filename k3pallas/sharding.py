@@ -44,15 +44,21 @@ class Rule:
     (``{}`` in it: the operand's name from ``names``). ``reduced``: factors that an output
     reduces over (the scale's heads); the mesh axes sharding them are passed to the local
     function as ``reduce_axes``. ``names``: the input operands' names, for the errors.
-    ``split_whole``: factors counting units that a shard must hold whole (the blocks of a
-    block-scaled format), with a name for the error. Every sharded factor must split evenly.
-    """
+    ``split_whole``: factors whose shards must hold whole units (the columns of a block-scaled
+    format: whole blocks), with the unit and a name for the error; every sharded factor must
+    split evenly. ``follows``: result factors sharded as an input factor (a block format's scale
+    axis as its columns)."""
 
     spec: str
     fixed: tuple[tuple[str, str], ...] = ()
     reduced: tuple[str, ...] = ()
     names: tuple[str, ...] = ()
-    split_whole: tuple[tuple[str, str], ...] = ()  # factors whose shards must be whole units
+    split_whole: tuple[tuple[str, int, str], ...] = ()  # (factor, unit, what): shards of whole units
+    follows: tuple[tuple[str, str], ...] = ()  # (result factor, input factor): sharded alike
+    # Shardy's own form where the spec cannot say it (a compound factor: "... (s e)"), with the
+    # sizes of the factors it adds.
+    sdy: str | None = None
+    sdy_sizes: tuple[tuple[str, int], ...] = ()
 
     def describe(self, what: str, operand: int) -> str:
         name = self.names[operand] if operand < len(self.names) else f"operand {operand}"
@@ -133,19 +139,22 @@ def _plan(op, rule: Rule, mesh, arg_shapes, *, strict: bool):
         if strict and factors.get(f) is not None:
             raise normalized_axis_error(op, rule.describe(what, source[f]), factors[f])
         factors.pop(f, None)
-    if strict:  # a sharded factor must split evenly (shards of whole blocks, for one)
-        whole = dict(rule.split_whole)
+    if strict:  # a sharded factor must split evenly (into shards of whole blocks, for one)
+        whole = {f: (unit, what) for f, unit, what in rule.split_whole}
         sizes = dict(mesh.shape)
         for f, axes in factors.items():
             i, tensor = source[f], ins[source[f]]
             dim = arg_shapes[i].shape[arg_shapes[i].ndim - (len(tensor) - 1) + tensor.index(f) - 1]
             shards = math.prod(sizes[ax] for ax in (axes if isinstance(axes, tuple) else (axes,)))
-            if dim % shards:
-                what = rule.describe(whole.get(f, f"axis {f!r} of {{}}"), i)
-                raise ValueError(
-                    f"{op}: {what} ({dim}) cannot be split evenly over mesh axes {axes!r} "
-                    f"({shards} shards)" + (": shard the columns in whole blocks, or replicate "
-                                            "them" if f in whole else ""))
+            unit, what = whole.get(f, (1, f"axis {f!r} of {{}}"))
+            if dim % shards or (dim // shards) % unit:
+                if unit > 1:
+                    raise block_split_error(op, rule.describe(what, i), axes, shards, dim, unit)
+                raise ValueError(f"{op}: {rule.describe(what, i)} ({dim}) cannot be split evenly "
+                                 f"over mesh axes {axes!r} ({shards} shards)")
+    for out_factor, in_factor in rule.follows:
+        if factors.get(in_factor) is not None:
+            factors[out_factor] = factors[in_factor]
 
     def sharding(tensor):
         dims = list(lead) if tensor and tensor[0] == "..." else []
@@ -178,7 +187,11 @@ def _build(op: str, rule: Rule, local, statics: tuple, cache_key):
     def infer(mesh, arg_shapes, result_shape):
         return _plan(op, rule, mesh, arg_shapes, strict=False)[1]
 
-    fn.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule.spec)
+    extra = dict(rule.sdy_sizes)
+    if rule.sdy:  # the factors a block format keeps whole: Shardy may not split them
+        extra["need_replication_factors"] = tuple(f for f, _ in rule.sdy_sizes)
+    fn.def_partition(partition, infer_sharding_from_operands=infer,
+                     sharding_rule=rule.sdy or rule.spec, **extra)
     return _batched_as_rows(fn, rule)
 
 

@@ -221,7 +221,7 @@ def sigmoid_mul_rows(x, gate, *, key: str, q: common.Quant | None, interpret: bo
 # ------------------------------------------------------------------------------------------------
 # Entries (k3pallas.kernels.entry): one device's arrays, in the layout of the op's sharding rule
 # (k3pallas.ops): per-token FP8 rows as [..., G, j(, D)] (j may be split over devices: the scale
-# is then reduced across them, sharding.fp8_over_shards), block formats as [..., B, block].
+# is then reduced across them, sharding.fp8_over_shards); block formats by blocks.
 # ------------------------------------------------------------------------------------------------
 
 
@@ -247,15 +247,16 @@ def rmsnorm_gated(x, w, g, *, op, fmt, cast, eps, activation, interpret, target,
 
 
 def _columns(entry_rows, xs, *, op, fmt, cast, interpret, target, reduce_axes):
-    """The column ops (sigmoid-mul, quantize) on ``xs`` ``[..., G, j]`` (per token or fmt None)
-    or ``[..., B, block]``."""
+    """The column ops (sigmoid-mul, quantize) on ``xs`` ``[..., G, j]`` (per token), ``[..., N]``
+    (a block format: a token's blocks may spread over several kernel rows) or ``[..., j]`` (None)."""
     q = common.quant(fmt, cast, interpret=interpret, target=target)
     kw = dict(key=common.launch_name(op, fmt), q=q, interpret=interpret, target=target)
     x = xs[0]
     if q is not None and fmt.block is not None:
-        width = block_scaled.kernel_row_blocks(x.shape[-2], fmt.block) * fmt.block
+        blocks = x.shape[-1] // fmt.block
+        width = block_scaled.kernel_row_blocks(blocks, fmt.block) * fmt.block
         data, scale = block_scaled.rows([a.reshape(-1, width) for a in xs], gate=len(xs) > 1, **kw)
-        return data.reshape(x.shape), scale.reshape(x.shape[:-1])
+        return data.reshape(x.shape), scale.reshape(x.shape[:-1] + (blocks,))
     run = functools.partial(entry_rows, *[common.as_rows(a, 1) for a in xs], **kw)
     if q is None:
         return run().reshape(x.shape)
