@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 from jax.experimental import pallas as pl
 
-from k3pallas import fp8 as fp8_lib
+from k3pallas import fp8 as fp8_lib  # the encoder under test (encoder_inputs, encode_in_pallas)
 
 # Output tolerances against the float64 oracle, per output dtype (atol = rtol). bf16 follows
 # vLLM's own RMSNorm test; fp16 and fp32 are a few units in the last place of the output.
@@ -210,3 +210,92 @@ def check_pair(a, b, v, name, what):
     mid = (a[~same] + b[~same]) / 2
     near = np.abs(v[~same] - mid) <= 1e-5 * np.maximum(np.abs(mid), grid[grid > 0][0])
     assert near.all(), f"{what}: {int((~near).sum())} codes differ away from a rounding tie"
+
+
+# ------------------------------------------------------------------------------------------------
+# MX (MXFP8 / MXFP4): the float64 oracle of jax's rule, and the check of a record against it
+# ------------------------------------------------------------------------------------------------
+
+MX_ELEM = {"mxfp8": ("float8_e4m3fn", 448.0), "mxfp4": ("float4_e2m1fn", 6.0)}
+
+
+def mx_oracle(y, fmt):
+    """float64 MX of ``y [..., N]``: (scale exponent ``[..., N/32]`` float, NaN for a block with
+    NaN / inf; ``v [..., N]``, the exact ``y / scale`` the codes should round to).
+    ``scale = 2**ceil(log2(amax / elem_max))``, at least ``2**-127``."""
+    y = f64(y)
+    elem_max = MX_ELEM[fmt][1]
+    blocks = y.reshape(y.shape[:-1] + (-1, 32))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        amax = np.max(np.abs(blocks), axis=-1)
+        e = np.ceil(np.log2(amax / elem_max))
+    e = np.where(amax == 0, -127.0, np.maximum(e, -127.0))
+    e = np.where(np.isfinite(blocks).all(axis=-1), e, np.nan)
+    with np.errstate(invalid="ignore"):
+        v = blocks / np.exp2(e)[..., None]
+    return e, v.reshape(y.shape)
+
+
+def codes_bytes(a):
+    """Element or scale codes as bytes (fp4: one code per byte, as numpy holds them)."""
+    a = jnp.asarray(a)
+    if a.dtype == jnp.float4_e2m1fn:
+        return np.asarray(jax.lax.bitcast_convert_type(a.reshape(a.shape[:-1] + (-1, 2)), jnp.uint8))
+    return np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))
+
+
+def scale_exponents(scale):
+    """e8m0 scales -> their exponents (code - 127), NaN for code 255."""
+    code = codes_bytes(scale).astype(np.float64)
+    return np.where(code == 255, np.nan, code - 127)
+
+
+def check_mx(qa, y64, fmt, what=""):
+    """Scales equal the oracle's except where float32 rounding of ``y`` moved amax across a
+    power of two (then the block's amax / elem_max is within 1e-5 of one); codes the RNE of the
+    exact ``y / scale`` except within 1e-5 of a tie; a NaN block: NaN scale."""
+    e_want, _ = mx_oracle(y64, fmt)
+    e_got = scale_exponents(qa.scale).reshape(e_want.shape)
+    assert np.array_equal(np.isnan(e_got), np.isnan(e_want)), f"{what}: NaN scales differ"
+    diff = (e_got != e_want) & ~np.isnan(e_want)
+    if diff.any():
+        blocks = f64(y64).reshape(e_want.shape + (32,))
+        q = np.max(np.abs(blocks), axis=-1)[diff] / MX_ELEM[fmt][1]
+        near = np.abs(np.log2(q) - np.round(np.log2(q))) < 1e-5
+        assert near.all() and np.all(np.abs(e_got[diff] - e_want[diff]) == 1), (
+            f"{what}: {int(diff.sum())} scales differ away from a power of two")
+    blocks = f64(y64).reshape(e_got.shape + (32,))
+    with np.errstate(invalid="ignore"):
+        v = (blocks / np.exp2(e_got)[..., None]).reshape(np.shape(y64))
+    data = f64(np.asarray(jnp.asarray(qa.data).astype(jnp.float32))).reshape(np.shape(y64))
+    finite = ~np.isnan(np.repeat(e_got, 32, axis=-1).reshape(np.shape(y64)))
+    check_codes(data[finite], v[finite], MX_ELEM[fmt][0], what=what)
+
+
+def check_quantized(qa, y64, what=""):
+    """A ``QuantizedActivation`` against the float64 ``y64 [..., N]`` it quantizes, by its
+    format: per-token FP8 (scales within 1e-6, codes the RNE of the exact ``y / scale`` but at
+    ties; the format's fp8_max, min_scale, scale_ub and groups) or MX (``check_mx``)."""
+    fmt = qa.format
+    y64 = f64(y64)
+    assert qa.data.shape == y64.shape, (what, qa.data.shape, y64.shape)
+    if fmt.name in MX_ELEM:
+        assert qa.scale.shape == y64.shape[:-1] + (y64.shape[-1] // 32,), what
+        check_mx(qa, y64, fmt.name, what)
+        return
+    name = jnp.dtype(fmt.dtype).name
+    lead, n, g = y64.shape[:-1], y64.shape[-1], fmt.groups
+    assert qa.scale.shape == lead + (g,) and qa.scale.dtype == jnp.float32, what
+    scale64, v = quant_oracle(y64.reshape(lead + (g, n // g)), name, fmt.fp8_max, fmt.min_scale,
+                              fmt.scale_ub)
+    check_scales(qa.scale, scale64, 1e-6, what)
+    check_codes(qa.data, v.reshape(y64.shape), name, what=what)
+
+
+def assert_close_nan(out, ref, tol, what=""):
+    """``assert_close`` where ``ref`` may hold NaN rows: NaN exactly there, close elsewhere."""
+    out, ref = f64(out), f64(ref)
+    assert out.shape == ref.shape, (what, out.shape, ref.shape)
+    assert np.array_equal(np.isnan(out), np.isnan(ref)), f"{what}: NaN where the oracle has none, or not where it has"
+    ok = ~np.isnan(ref)
+    assert_close(out[ok], ref[ok], tol, what)

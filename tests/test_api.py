@@ -1,5 +1,7 @@
-"""The public API's contract: argument errors, impl selection, jit / vmap, zero rows, any leading
-shape, and the inference-only gradient error."""
+"""The public API's contract: argument errors (naming the op and the argument), output formats,
+impl selection, jit / vmap / any leading shape, zero rows, the seed-named shorthands, and the
+inference-only gradient error. Generic tests run every case of ``bench.cases`` (each op with
+each family of output formats), so a new op or format gets them without an edit here."""
 
 from __future__ import annotations
 
@@ -9,10 +11,9 @@ import numpy as np
 import pytest
 
 import k3pallas as kp
-from bench import cases as k3ops
-from k3pallas import testing
+from bench import cases as bench_cases
 
-from support import ORACLE_TOL, assert_close, gated64, rmsnorm64
+from support import ORACLE_TOL, assert_close, codes_bytes, gated64, rmsnorm64
 
 
 def _qkv(rng, lead=(4,), dq=64, dkv=16, dtype=jnp.float32):
@@ -28,47 +29,38 @@ def _gated(rng, lead=(4,), h=3, d=32):
             jnp.asarray(rng.standard_normal(lead + (h, d)), jnp.float32))
 
 
-# Every op of the op table called with good arguments (its "test" sizes), for the generic tests
-# below: a new op gets them without an edit here.
-def all_ops(rng):
-    out = {}
-    for name, spec in k3ops.OPS.items():
-        structs, options = spec.example(4, jnp.dtype(jnp.float32), **spec.sizes["test"])
-        args = tuple(jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in structs)
-        out[name] = (lambda *a, _f=spec.fn, _o=options, **kw: _f(*a, **_o, **kw), args)
-    return out
+CASES = list(bench_cases.OPS)
 
 
-OPS = list(k3ops.OPS)
-IMPLS = ["interpret", "reference"]
+def case(rng, name, tokens=4):
+    """(fn(*arrays, **kw), arrays) of a bench case at its "test" size."""
+    spec = bench_cases.OPS[name]
+    structs, options = spec.example(tokens, jnp.dtype(jnp.float32), **spec.sizes["test"])
+    args = tuple(jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in structs)
+    return (lambda *a, **kw: spec.fn(*a, **options, **kw)), args
 
 
-def _first_float(out):
+def _first(out):
     return jax.tree_util.tree_leaves(out)[0]
 
 
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # impl
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("op", OPS)
-def test_unknown_impl(rng, op):
-    fn, args = all_ops(rng)[op]
-    with pytest.raises(ValueError, match="impl must be one of"):
+@pytest.mark.parametrize("name", CASES)
+def test_impl_choice(rng, name):
+    fn, args = case(rng, name)
+    with pytest.raises(ValueError, match=f"{bench_cases.OPS[name].op}: impl must be one of"):
         fn(*args, impl="triton")
-
-
-@pytest.mark.parametrize("op", OPS)
-def test_pallas_without_gpu_is_an_error_not_a_fallback(rng, op):
     if kp.current_target().is_gpu:
-        pytest.skip("this machine has a GPU target")
-    fn, args = all_ops(rng)[op]
+        return
     with pytest.raises(RuntimeError, match="needs a GPU target"):
         fn(*args, impl="pallas")
 
 
-def test_auto_is_reference_on_cpu(rng):
+def test_auto_is_the_reference_on_the_cpu(rng):
     if kp.current_target().is_gpu:
         pytest.skip("this machine has a GPU target")
     q, kv, wq, wkv = _qkv(rng)
@@ -76,61 +68,52 @@ def test_auto_is_reference_on_cpu(rng):
     assert "pallas" not in text and "triton" not in text
 
 
-# ---------------------------------------------------------------------------------------------
-# Bad input: each error names the argument
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
+# Bad input: each error names the op and the argument
+# ------------------------------------------------------------------------------------------------
 
 
-def test_fused_bad_inputs(rng):
+def test_norm_bad_inputs(rng):
     q, kv, wq, wkv = _qkv(rng)
     f = kp.fused_q_kv_rmsnorm
-    with pytest.raises(ValueError, match=r"q_c and kv_c must have the same leading dims.*\(4, 64\).*\(3, 16\)"):
-        f(q, kv[:3], wq, wkv)
-    with pytest.raises(ValueError, match=r"q_weight must have shape \(64,\).*\(63,\)"):
-        f(q, kv, wq[:63], wkv)
-    with pytest.raises(ValueError, match=r"kv_weight must have shape \(16,\)"):
-        f(q, kv, wq, wq)
-    with pytest.raises(ValueError, match="kv_weight must have shape"):
-        f(q, kv, wq, wkv[None])
-    with pytest.raises(TypeError, match="q_c must have a floating dtype.*int32"):
-        f(q.astype(jnp.int32), kv, wq, wkv)
-    with pytest.raises(TypeError, match="kv_weight must have a floating dtype.*bool"):
-        f(q, kv, wq, wkv > 0)
-    with pytest.raises(TypeError, match="q_c must have a floating dtype.*float8_e4m3fn"):
-        f(q.astype(jnp.float8_e4m3fn), kv, wq, wkv)
-    with pytest.raises(ValueError, match="q_c must have rank >= 1"):
-        f(q[0, 0], kv, wq, wkv)
-    with pytest.raises(TypeError, match="q_c must be an array"):
-        f([[1.0]], kv, wq, wkv)
-    for bad in (0.0, -1e-6, float("nan"), float("inf")):
+    bad = [
+        (lambda: f(q, kv[:3], wq, wkv), ValueError,
+         r"fused_q_kv_rmsnorm: q_c and kv_c must have the same leading dims.*\(4, 64\).*\(3, 16\)"),
+        (lambda: f(q, kv, wq[:63], wkv), ValueError, r"q_weight must have shape \(64,\).*\(63,\)"),
+        (lambda: f(q, kv, wq, wq), ValueError, r"kv_weight must have shape \(16,\)"),
+        (lambda: f(q, kv, wq, wkv[None]), ValueError, "kv_weight must have shape"),
+        (lambda: f(q.astype(jnp.int32), kv, wq, wkv), TypeError, "q_c must have a floating dtype.*int32"),
+        (lambda: f(q, kv, wq, wkv > 0), TypeError, "kv_weight must have a floating dtype.*bool"),
+        (lambda: f(q.astype(jnp.float8_e4m3fn), kv, wq, wkv), TypeError, "float8_e4m3fn"),
+        (lambda: f(q[0, 0], kv, wq, wkv), ValueError, "q_c must have rank >= 1"),
+        (lambda: f([[1.0]], kv, wq, wkv), TypeError, "q_c must be an array"),
+        (lambda: f(q, kv, wq, wkv, kv_eps=0.0), ValueError, "kv_eps must be finite and > 0"),
+        (lambda: f(q, kv, wq, wkv, "1e-6"), TypeError, "eps must be a Python float"),
+        (lambda: jax.jit(lambda e: f(q, kv, wq, wkv, e))(1e-6), TypeError, "eps must be a Python float"),
+        (lambda: f(q[:, :0], kv, wq[:0], wkv), ValueError, "non-empty trailing dims"),
+        (lambda: kp.rmsnorm(q, wq[:10]), ValueError, r"rmsnorm: weight must have shape \(64,\)"),
+        (lambda: kp.rmsnorm(jnp.float32(1.0), wq), ValueError, "x must have rank >= 1"),
+        (lambda: kp.rmsnorm(q, wq, -1.0), ValueError, "eps must be finite"),
+        (lambda: kp.rmsnorm(q, wq, 1e-50), ValueError, r"outside \[1\.17549e-38"),
+        (lambda: kp.mla_q_kv_norm(q, wq, wkv, q_size=64, kv_size=32), ValueError,
+         r"must hold q_size \+ kv_size"),
+        (lambda: kp.mla_q_kv_norm(q, wq, wkv, q_size=0), ValueError, "q_size must be an integer >= 1"),
+        (lambda: jax.jit(lambda s: kp.mla_q_kv_norm(q, wq, wkv, q_size=s))(32), TypeError,
+         "q_size must be a Python int"),
+    ]
+    for call, err, match in bad:
+        with pytest.raises(err, match=match):
+            call()
+    for eps in (0.0, -1e-6, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="eps must be finite and > 0"):
-            f(q, kv, wq, wkv, bad)
-    with pytest.raises(ValueError, match="kv_eps must be finite and > 0"):
-        f(q, kv, wq, wkv, kv_eps=0.0)
-    with pytest.raises(TypeError, match="eps must be a Python float"):
-        f(q, kv, wq, wkv, "1e-6")
-    with pytest.raises(TypeError, match="eps must be a Python float"):
-        jax.jit(lambda e: f(q, kv, wq, wkv, e))(1e-6)  # a traced eps is not static
-    with pytest.raises(ValueError, match="non-empty trailing dims"):
-        f(q[:, :0], kv, wq[:0], wkv)
+            f(q, kv, wq, wkv, eps)
 
 
-def test_rmsnorm_bad_inputs(rng):
-    q, _, wq, _ = _qkv(rng)
-    with pytest.raises(ValueError, match=r"weight must have shape \(64,\)"):
-        kp.rmsnorm(q, wq[:10])
-    with pytest.raises(ValueError, match="x must have rank >= 1"):
-        kp.rmsnorm(jnp.float32(1.0), wq)
-    with pytest.raises(TypeError, match="x must have a floating dtype"):
-        kp.rmsnorm(q.astype(jnp.int8), wq)
-    with pytest.raises(ValueError, match="eps must be finite"):
-        kp.rmsnorm(q, wq, -1.0)
-
-
-def test_gated_bad_inputs(rng):
+def test_gated_and_column_bad_inputs(rng):
     x, w, g = _gated(rng)
-    for f in (kp.rmsnorm_gated, kp.rmsnorm_gated_fp8_per_token):
-        with pytest.raises(ValueError, match=r"gate must have the shape of x.*\(4, 3, 31\).*\(4, 3, 32\)"):
+    for fmt in (None, "fp8_per_token"):
+        f = lambda *a, **k: kp.rmsnorm_gated(*a, out_format=fmt, **k)  # noqa: E731
+        with pytest.raises(ValueError, match=r"rmsnorm_gated: gate must have the shape of x.*\(4, 3, 31\)"):
             f(x, w, g[..., :31])
         with pytest.raises(ValueError, match=r"weight must have shape \(32,\)"):
             f(x, w[:8], g)
@@ -140,69 +123,72 @@ def test_gated_bad_inputs(rng):
             f(x, w, g.astype(jnp.int32))
         with pytest.raises(ValueError, match="activation must be one of"):
             f(x, w, g, activation="relu")
-        with pytest.raises(ValueError, match="eps must be finite"):
-            f(x, w, g, float("nan"))
         with pytest.raises(ValueError, match="non-empty trailing dims"):
             f(x[:, :0], w, g[:, :0])
+    with pytest.raises(ValueError, match=r"rank >= 3.*one token: x\[None\]"):
+        kp.rmsnorm_gated(x[0], w, g[0], out_format="fp8_per_token")  # [H, D]: which is the token?
+    with pytest.raises(ValueError, match=r"groups=2 must divide the number of heads \(3\)"):
+        kp.rmsnorm_gated_fp8_per_token(x, w, g, scale_groups=2)
+    with pytest.raises(ValueError, match=r"rmsnorm_gated: mxfp4 .*head dim.*\(48\) must be a multiple of 32"):
+        kp.rmsnorm_gated(jnp.ones((2, 3, 48)), jnp.ones(48), jnp.ones((2, 3, 48)), out_format="mxfp4")
+    a = jnp.ones((4, 96))
+    with pytest.raises(ValueError, match="sigmoid_mul: gate must have the shape of x"):
+        kp.sigmoid_mul(a, a[:3])
+    with pytest.raises(ValueError, match=r"groups=5 must divide the last dim of x \(96\)"):
+        kp.per_token_fp8_quant(a, scale_groups=5)
+    with pytest.raises(ValueError, match=r"quantize: mxfp8 .*\(40\) must be a multiple of 32"):
+        kp.quantize(jnp.ones((2, 40)), "mxfp8")
+    with pytest.raises(ValueError, match="mla_q_kv_norm: mxfp4 .*q_size.*multiple of 32"):
+        kp.mla_q_kv_norm(jnp.ones((2, 100)), jnp.ones(40), jnp.ones(60), q_size=40, kv_size=60,
+                         out_format="mxfp4")
 
 
-@pytest.mark.parametrize("op", [name for name, spec in k3ops.OPS.items() if spec.fp8])
-def test_fp8_option_errors(rng, op):
-    fn, args = all_ops(rng)[op]
-    with pytest.raises(TypeError, match="fp8_dtype must be one of"):
-        fn(*args, fp8_dtype=jnp.int8)
-    with pytest.raises(TypeError, match="fp8_dtype must be one of"):
-        fn(*args, fp8_dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"fp8_max=300.0 exceeds the largest finite float8_e4m3fnuz value 240"):
-        fn(*args, fp8_dtype=jnp.float8_e4m3fnuz, fp8_max=300.0)
-    with pytest.raises(ValueError, match="exceeds the largest finite float8_e4m3fn value 448"):
-        fn(*args, fp8_dtype=jnp.float8_e4m3fn, fp8_max=449.0)
-    for name in ("fp8_max", "min_scale", "scale_ub"):
-        with pytest.raises(ValueError, match=f"{name} must be finite and > 0"):
-            fn(*args, **{name: 0.0})
-        with pytest.raises(ValueError, match=f"{name} must be finite and > 0"):
-            fn(*args, **{name: float("inf")})
-        with pytest.raises(TypeError, match=f"{name} must be a Python float"):
-            fn(*args, **{name: jnp.float32(1.0)})
-    with pytest.raises(ValueError, match=f"{op}: impl must be one of"):
-        fn(*args, impl="cuda")
+def test_output_format_errors(rng):
+    x = jnp.ones((2, 64))
+    w = jnp.ones(64)
+    with pytest.raises(ValueError, match="rmsnorm: out_format must be a k3pallas format or one of"):
+        kp.rmsnorm(x, w, out_format="mxfp6")
+    with pytest.raises(TypeError, match="sigmoid_mul: out_format must be a k3pallas format"):
+        kp.sigmoid_mul(x, x, out_format=jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="quantize: out_format is required"):
+        kp.quantize(x, None)
+    with pytest.raises(ValueError, match="rmsnorm: fp8_cast='encoder' applies to a quantized output"):
+        kp.rmsnorm(x, w, fp8_cast="encoder")
+    with pytest.raises(ValueError, match="quantize: fp8_cast must be one of"):
+        kp.quantize(x, "mxfp8", fp8_cast="fast")
+    with pytest.raises(ValueError, match="rmsnorm: fp8_per_token groups=2: this op writes one scale per token"):
+        kp.rmsnorm(x, w, out_format=kp.Fp8PerToken(groups=2))
+    with pytest.raises(ValueError, match="fused_q_kv_rmsnorm: fp8_max=500.0 exceeds"):
+        kp.fused_q_kv_rmsnorm(x, x, w, w, out_format=kp.Fp8PerToken(fp8_max=500.0))
 
 
-def test_fp8_defaults():
-    assert kp.FP8_E4M3FN_MAX == 448.0 and kp.FP8_E4M3FNUZ_MAX == 224.0
-    assert kp.FP8_E4M3FNUZ_MAX_AITER == 240.0 and kp.FP8_E5M2_MAX == 57344.0
-    from k3pallas import fp8, platform
-
-    cases = {("gfx942", "rocm"): jnp.float8_e4m3fnuz, ("AMD Instinct MI300X", "rocm"): jnp.float8_e4m3fnuz,
-             ("AMD Instinct MI325X", "rocm"): jnp.float8_e4m3fnuz, ("gfx950", "rocm"): jnp.float8_e4m3fn,
-             ("AMD Instinct MI355X", "rocm"): jnp.float8_e4m3fn, ("NVIDIA H200", "cuda"): jnp.float8_e4m3fn,
-             ("cpu", "cpu"): jnp.float8_e4m3fn}
-    for (kind, plat), want in cases.items():
-        assert kp.default_fp8_dtype(platform.target_for(kind, plat)) == jnp.dtype(want), kind
-    p = fp8.resolve_fp8_params(jnp.float8_e4m3fnuz, target=platform.target_for("gfx942", "rocm"))
-    assert p.fp8_max == 224.0 and p.min_scale == 1.0 / (224.0 * 512) and p.scale_ub is None
-    assert p.cast is None  # None: $K3PALLAS_FP8_CAST or "auto", read when a kernel is built
-    p = fp8.resolve_fp8_params(target=platform.target_for("gfx942", "rocm"))
-    assert p.dtype == jnp.float8_e4m3fnuz
-    here = kp.current_target()  # this run's device: e4m3fnuz only on AMD gfx94x
-    fnuz_here = here.backend == "rocm" and here.arch.startswith("gfx94")
-    assert kp.default_fp8_dtype() == jnp.dtype(jnp.float8_e4m3fnuz if fnuz_here else jnp.float8_e4m3fn)
-    for name, want in (("gfx942", jnp.float8_e4m3fnuz), ("MI325X", jnp.float8_e4m3fnuz),
-                       ("gfx950", jnp.float8_e4m3fn), ("sm_90", jnp.float8_e4m3fn),
-                       ("H200", jnp.float8_e4m3fn), ("cpu", jnp.float8_e4m3fn)):
-        assert kp.default_fp8_dtype(name) == jnp.dtype(want), name
-    with pytest.raises(ValueError, match="unknown device name 'tpu'"):
-        kp.default_fp8_dtype("tpu")
-    with jax.sharding.use_abstract_mesh(testing.abstract_mesh(*testing.KNOWN_TARGETS["gfx942"])):
-        assert kp.default_fp8_dtype() == jnp.dtype(jnp.float8_e4m3fnuz)
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_native_conversion_refusals_name_the_op_and_the_option(impl):
+    """Round 3: fp8_cast="native" with MXFP4 raised "fp8_dtype must be one of ...; got
+    float4_e2m1fn" (an option the user did not pass, no op)."""
+    x = jnp.ones((2, 64))
+    if impl == "reference":  # the reference has no conversion to choose: the mode is ignored
+        kp.quantize(x, "mxfp4", fp8_cast="native", impl=impl)
+        return
+    with pytest.raises(RuntimeError, match=r"^quantize: fp8_cast='native': no native float4 conversion"):
+        kp.quantize(x, "mxfp4", fp8_cast="native", impl=impl)
+    with pytest.raises(RuntimeError, match=r"^sigmoid_mul: fp8_cast='native'"):
+        kp.sigmoid_mul(x, x, out_format="mxfp4", fp8_cast="native", impl=impl)
 
 
-# ---------------------------------------------------------------------------------------------
-# jit, vmap, leading shapes, zero rows
-# ---------------------------------------------------------------------------------------------
+def test_the_fp8_output_size_refusal_names_the_op_for_every_impl():
+    x = jax.ShapeDtypeStruct((2**19, 4096), jnp.bfloat16)  # 2**31 one-byte codes
+    for impl in ("reference", "interpret"):
+        with pytest.raises(ValueError, match=r"^quantize: an fp8 output of shape"):
+            jax.eval_shape(lambda a: kp.per_token_fp8_quant(a, impl=impl), x)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+# ------------------------------------------------------------------------------------------------
+# jit, vmap, leading shapes, zero rows, shorthands
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
 def test_jit_vmap_and_leading_shapes(rng, impl):
     q, kv, wq, wkv = _qkv(rng, lead=(2, 3))
     eager = kp.fused_q_kv_rmsnorm(q, kv, wq, wkv, impl=impl)
@@ -214,12 +200,15 @@ def test_jit_vmap_and_leading_shapes(rng, impl):
     x, w, g = _gated(rng, lead=(2, 3))
     y = jax.vmap(lambda a, b: kp.rmsnorm_gated(a, w, b, impl=impl))(x, g)
     assert_close(y, gated64(x, w, g, 1e-5, "sigmoid"), ORACLE_TOL["float32"])
-    qa = jax.vmap(lambda a, b: kp.rmsnorm_gated_fp8_per_token(a, w, b, impl=impl))(x, g)
-    assert qa.data.shape == (2, 3, 96) and qa.scale.shape == (2, 3, 1)
-    direct = kp.rmsnorm_gated_fp8_per_token(x, w, g, impl=impl)
-    assert np.array_equal(np.asarray(qa.scale), np.asarray(direct.scale))
-    assert np.array_equal(np.asarray(qa.data).view(np.uint8), np.asarray(direct.data).view(np.uint8))
-    qb = jax.jit(jax.vmap(lambda a: kp.per_token_fp8_quant(a, impl=impl)))(q)
+    for fmt in ("fp8_per_token", "mxfp4"):
+        xm, gm = (x, g) if fmt != "mxfp4" else (jnp.tile(x, 2), jnp.tile(g, 2))
+        wm = w if fmt != "mxfp4" else jnp.tile(w, 2)
+        qa = jax.vmap(lambda a, b: kp.rmsnorm_gated(a, wm, b, out_format=fmt, impl=impl))(xm, gm)
+        direct = kp.rmsnorm_gated(xm, wm, gm, out_format=fmt, impl=impl)
+        assert qa.data.shape == direct.data.shape == (2, 3, 3 * xm.shape[-1])
+        assert np.array_equal(codes_bytes(qa.data), codes_bytes(direct.data))
+        assert np.array_equal(codes_bytes(qa.scale), codes_bytes(direct.scale))
+    qb = jax.jit(jax.vmap(lambda a: kp.quantize(a, "fp8_per_token", impl=impl)))(q)
     assert qb.data.shape == q.shape and qb.scale.shape == (2, 3, 1)
     # A batched weight too (one call per batch element there).
     wb = jnp.stack([wq, 2 * wq])
@@ -227,44 +216,46 @@ def test_jit_vmap_and_leading_shapes(rng, impl):
     assert_close(yb[1], rmsnorm64(q[1], 2 * wq, 1e-6), ORACLE_TOL["float32"])
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_zero_rows(rng, impl):
-    q, kv, wq, wkv = _qkv(rng, lead=(0, 5))
-    x, w, g = _gated(rng, lead=(3, 0))
-    outs = {
-        "fused": kp.fused_q_kv_rmsnorm(q, kv, wq, wkv, impl=impl),
-        "rmsnorm": kp.rmsnorm(q, wq, impl=impl),
-        "gated": kp.rmsnorm_gated(x, w, g, impl=impl),
-        "gated_fp8": kp.rmsnorm_gated_fp8_per_token(x, w, g, impl=impl),
-        "quant": kp.per_token_fp8_quant(q, impl=impl),
-    }
-    assert outs["fused"][0].shape == (0, 5, 64) and outs["fused"][1].shape == (0, 5, 16)
-    assert outs["rmsnorm"].shape == (0, 5, 64)
-    assert outs["gated"].shape == (3, 0, 3, 32)
-    assert outs["gated_fp8"].data.shape == (3, 0, 96) and outs["gated_fp8"].scale.shape == (3, 0, 1)
-    assert outs["quant"].data.shape == (0, 5, 64) and outs["quant"].scale.shape == (0, 5, 1)
-    if impl != "reference":  # no kernel is launched for zero rows
-        text = jax.jit(lambda *a: kp.fused_q_kv_rmsnorm(*a, impl=impl)).lower(q, kv, wq, wkv).as_text()
-        assert "pallas" not in text.lower()
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+@pytest.mark.parametrize("name", CASES)
+def test_zero_rows(rng, name, impl):
+    """Empty outputs of the right shapes, no launch (round 3: MX at 0 tokens raised
+    ZeroDivisionError)."""
+    fn, args = case(rng, name, tokens=1)
+    spec = bench_cases.OPS[name]
+    structs, _ = spec.example(0, jnp.dtype(jnp.float32), **spec.sizes["test"])
+    empty = [jnp.zeros(s.shape, s.dtype) for s in structs]
+    want = jax.eval_shape(lambda *a: fn(*a, impl="reference"), *empty)
+    got = fn(*empty, impl=impl)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.size == 0, name
+    if impl != "reference":
+        text = jax.jit(lambda *a: fn(*a, impl=impl)).lower(*empty).as_text()
+        assert "pallas" not in text.lower(), name
+    assert jax.tree_util.tree_leaves(fn(*args, impl=impl))[0].shape[0] == 1
 
 
-# ---------------------------------------------------------------------------------------------
+def test_shorthands_are_the_functions(rng):
+    x, w, g = _gated(rng, h=4)
+    a = kp.rmsnorm_gated_fp8_per_token(x, w, g, scale_groups=np.int64(2), fp8_max=240.0,
+                                       fp8_dtype=jnp.float8_e4m3fnuz, impl="interpret")
+    b = kp.rmsnorm_gated(x, w, g, out_format=kp.Fp8PerToken(jnp.float8_e4m3fnuz, 240.0, groups=2),
+                         impl="interpret")
+    assert a.format == b.format and a.scale.shape == (4, 2)
+    assert np.array_equal(codes_bytes(a.data), codes_bytes(b.data))
+    assert np.array_equal(np.asarray(a.scale), np.asarray(b.scale))
+    q = kp.per_token_fp8_quant(x.reshape(4, -1), scale_ub=2.0, impl="interpret")
+    r = kp.quantize(x.reshape(4, -1), kp.Fp8PerToken(scale_ub=2.0), impl="interpret")
+    assert q.format == r.format and np.array_equal(codes_bytes(q.data), codes_bytes(r.data))
+    q, kv, wq, wkv = _qkv(rng)
+    packed = jnp.concatenate([q, kv], axis=-1)
+    out = kp.mla_q_kv_norm(packed, wq, wkv, q_size=np.int32(64), kv_size=np.int64(16), impl="interpret")
+    assert out[0].shape == (4, 64) and out[2].shape == (4, 0)
+
+
+# ------------------------------------------------------------------------------------------------
 # Inference only
-# ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("op", OPS)
-def test_gradient_raises(rng, op, impl):
-    fn, args = all_ops(rng)[op]
-
-    def loss(a0):
-        return jnp.sum(_first_float(fn(a0, *args[1:], impl=impl)).astype(jnp.float32))
-
-    with pytest.raises(TypeError, match="inference-only"):
-        jax.grad(loss)(args[0])
-    with pytest.raises(TypeError, match="inference-only"):
-        jax.jvp(loss, (args[0],), (jnp.ones_like(args[0]),))
+# ------------------------------------------------------------------------------------------------
 
 
 def _primitives(jaxpr):
@@ -280,48 +271,28 @@ def _primitives(jaxpr):
     return names
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("op", OPS)
-def test_inference_only_guard_and_no_custom_vjp(rng, op, impl):
-    """The traced op holds the custom_jvp guard that raises on differentiation, and no
-    custom_vjp (which would define a backward pass)."""
-    fn, args = all_ops(rng)[op]
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+@pytest.mark.parametrize("name", CASES)
+def test_inference_only(rng, name, impl):
+    """A gradient or JVP raises TypeError; the traced op holds that guard and no custom_vjp."""
+    fn, args = case(rng, name)
+
+    def loss(a0):
+        return jnp.sum(_first(fn(a0, *args[1:], impl=impl)).astype(jnp.float32))
+
+    with pytest.raises(TypeError, match="inference-only"):
+        jax.grad(loss)(args[0])
+    with pytest.raises(TypeError, match="inference-only"):
+        jax.jvp(loss, (args[0],), (jnp.ones_like(args[0]),))
     prims = _primitives(jax.make_jaxpr(lambda *a: fn(*a, impl=impl))(*args).jaxpr)
     assert "custom_jvp_call" in prims, prims
     assert not [p for p in prims if "custom_vjp" in p], prims
 
 
-def test_dequantize_per_scale_group(rng):
-    """scale [..., G]: each group of N / G columns is multiplied by its own scale."""
-    x = jnp.asarray(rng.standard_normal((3, 5, 256)) * np.linspace(0.1, 8, 256), jnp.float32)
-    qa = kp.per_token_fp8_quant(x, scale_groups=4, impl="interpret")
-    assert qa.scale.shape == (3, 5, 4)
-    deq = np.asarray(qa.dequantize())
-    want = (np.asarray(qa.data, np.float64).reshape(3, 5, 4, 64)
-            * np.asarray(qa.scale, np.float64)[..., None]).reshape(3, 5, 256)
-    np.testing.assert_allclose(deq, want, rtol=1e-6)
-    np.testing.assert_allclose(deq, np.asarray(x), rtol=0.07, atol=float(np.asarray(qa.scale).max()))
-    assert qa.dequantize(jnp.bfloat16).dtype == jnp.bfloat16
-    bad = kp.QuantizedActivation(qa.data, qa.scale[..., :3])
-    with pytest.raises(ValueError, match="does not fit data"):
-        bad.dequantize()
-
-
-def test_integral_options_and_the_fp8_rank_rule(rng):
-    x, w, g = _gated(rng, lead=(4,), h=4, d=32)
-    a = kp.rmsnorm_gated_fp8_per_token(x, w, g, scale_groups=np.int64(2), impl="interpret")
-    b = kp.rmsnorm_gated_fp8_per_token(x, w, g, scale_groups=2, impl="interpret")
-    assert np.array_equal(np.asarray(a.scale), np.asarray(b.scale))
-    q, kv, wq, wkv = _qkv(rng)
-    packed = jnp.concatenate([q, kv], axis=-1)
-    out = kp.mla_q_kv_norm(packed, wq, wkv, q_size=np.int32(64), kv_size=np.int64(16), impl="interpret")
-    assert out[0].shape == (4, 64) and out[2].shape == (4, 0)
-    with pytest.raises(ValueError, match="scale_groups must be an integer >= 1"):
-        kp.per_token_fp8_quant(q, scale_groups=True)
-    with pytest.raises(ValueError, match="scale_groups must be an integer >= 1"):
-        kp.per_token_fp8_quant(q, scale_groups=2.0)
-    with pytest.raises(ValueError, match=r"rank >= 3.*one token: x\[None\]"):
-        kp.rmsnorm_gated_fp8_per_token(x[0], w, g[0])  # [H, D]: which axis is the token?
-    with pytest.raises(ValueError, match=r"rank >= 3"):
-        kp.rmsnorm_gated_fp8_per_token(x.reshape(4, -1)[:, :32], w, g.reshape(4, -1)[:, :32])
-    assert kp.rmsnorm_gated_fp8_per_token(x[0][None], w, g[0][None]).scale.shape == (1, 1)
+@pytest.mark.parametrize("fmt", ["fp8_per_token", "mxfp4"])
+def test_a_gradient_through_the_weight_quantizer_raises(fmt):
+    """Round 3: jax.grad through the weight quantizers returned a gradient (for MX the tangent
+    rounded to FP4)."""
+    w = jnp.ones((64, 8))
+    with pytest.raises(TypeError, match="k3pallas.quantize_weight is inference-only"):
+        jax.grad(lambda w: kp.quantize_weight(w, fmt).dequantize().sum())(w)

@@ -1,4 +1,4 @@
-"""``quantize_weight_per_channel`` and ``fp8_linear`` against float64 oracles, and the Kimi-K3
+"""``quantize_weight`` and ``linear`` (every format) against float64 oracles, and the Kimi-K3
 model blocks under ``jax.jit`` on the CPU."""
 
 from __future__ import annotations
@@ -11,145 +11,148 @@ import numpy as np
 import pytest
 
 import k3pallas as kp
+from k3pallas import _compat, formats
 from k3pallas.models import kimi_k3
 
-from support import DEFAULT_FP8_MAX, FP8, check_codes, f64
+from support import DEFAULT_FP8_MAX, FP8, check_codes, codes_bytes, f64
 
 FP8_NAMES = list(FP8)
 
 
 @pytest.mark.parametrize("name", FP8_NAMES)
-@pytest.mark.parametrize("wdtype", ["bfloat16", "float32"])
-def test_quantize_weight_per_channel(rng, name, wdtype):
+def test_quantize_weight_per_channel(rng, name):
     k, n = 300, 70
     w = rng.standard_normal((k, n)) * rng.uniform(1e-3, 1e2, n)
     w[:, 3] = 0.0  # a zero column
-    w = jnp.asarray(w, wdtype)
-    w8, ws = jax.jit(lambda a: kp.quantize_weight_per_channel(a, fp8_dtype=name, w_layout="kn"))(w)
-    assert w8.shape == (k, n) and w8.dtype == jnp.dtype(name)
-    assert ws.shape == (n,) and ws.dtype == jnp.float32
+    w = jnp.asarray(w, "bfloat16" if name == "float8_e5m2" else "float32")
+    qw = jax.jit(lambda a: kp.quantize_weight(a, kp.Fp8PerToken(name), layout="kn"))(w)
+    assert qw.data.shape == (k, n) and qw.data.dtype == jnp.dtype(name) and qw.layout == "kn"
+    assert qw.scale.shape == (n,) and qw.scale.dtype == jnp.float32
     w64 = f64(w)
     fp8_max = DEFAULT_FP8_MAX[name]
     amax = np.abs(w64).max(axis=0)
-    want = np.where(amax > 0, amax / fp8_max, 1.0)
-    np.testing.assert_allclose(f64(ws), want, rtol=1e-6)
-    assert f64(ws)[3] == 1.0 and np.all(f64(w8)[:, 3] == 0)
-    check_codes(w8, w64 / f64(ws)[None, :], name, what="weight codes")
-    assert np.abs(f64(w8)).max() <= fp8_max
+    np.testing.assert_allclose(f64(qw.scale), np.where(amax > 0, amax / fp8_max, 1.0), rtol=1e-6)
+    assert f64(qw.scale)[3] == 1.0 and np.all(f64(qw.data)[:, 3] == 0)
+    check_codes(qw.data, w64 / f64(qw.scale)[None, :], name, what="weight codes")
+    assert np.abs(f64(qw.data)).max() <= fp8_max
 
 
-def test_quantize_weight_nan_column_and_fp8_max(rng):
+def test_quantize_weight_special_columns_and_errors(rng):
     w = rng.standard_normal((16, 4))
     w[5, 2] = np.nan
-    w8, ws = kp.quantize_weight_per_channel(jnp.asarray(w, jnp.float32), fp8_dtype="float8_e4m3fnuz",
-                                            fp8_max=240.0)
-    assert np.isnan(f64(ws)[2]) and not np.isnan(f64(ws)[[0, 1, 3]]).any()
-    np.testing.assert_allclose(f64(ws)[0], np.abs(w[:, 0]).max() / 240.0, rtol=1e-6)
+    qw = kp.quantize_weight(jnp.asarray(w, jnp.float32), kp.Fp8PerToken("float8_e4m3fnuz", 240.0))
+    assert np.isnan(f64(qw.scale)[2]) and not np.isnan(f64(qw.scale)[[0, 1, 3]]).any()
+    np.testing.assert_allclose(f64(qw.scale)[0], np.abs(w[:, 0]).max() / 240.0, rtol=1e-6)
+    w = jnp.ones((4, 3)).at[1, 2].set(jnp.inf)  # no FP8 form: scale inf, codes 0 and NaN
+    qw = kp.quantize_weight(w, kp.Fp8PerToken("float8_e4m3fn"), layout="kn")
+    assert np.isinf(np.asarray(qw.scale)[2]) and np.isfinite(np.asarray(qw.scale)[:2]).all()
+    codes = np.asarray(qw.data, np.float32)[:, 2]
+    assert np.isnan(codes[1]) and (codes[[0, 2, 3]] == 0).all()
+    for bad, err, match in [(jnp.zeros((4,)), ValueError, r"\[K, N\] matrix"),
+                            (jnp.zeros((4, 4), jnp.int32), TypeError, "float16, bfloat16 or float32"),
+                            ("w", TypeError, "must be an array")]:
+        with pytest.raises(err, match=f"quantize_weight: .*{match}"):
+            kp.quantize_weight(bad, "fp8_per_token")
+    w = jnp.ones((48, 8))
+    with pytest.raises(ValueError, match=r"quantize_weight: mxfp4 .*\(48\) must be a multiple of 32"):
+        kp.quantize_weight(w, "mxfp4")
+    with pytest.raises(ValueError, match="min_scale, scale_ub and groups apply to activations"):
+        kp.quantize_weight(w, kp.Fp8PerToken(scale_ub=1.0))
+    with pytest.raises(ValueError, match="layout must be"):
+        kp.quantize_weight(w, "fp8_per_token", layout="nkk")
 
 
-@pytest.mark.parametrize("bad,err,match", [
-    (jnp.zeros((4,)), ValueError, r"\[K, N\] matrix"),
-    (jnp.zeros((4, 4), jnp.int32), TypeError, "float16, bfloat16 or float32"),
-    ("w", TypeError, "must be an array"),
-])
-def test_quantize_weight_bad_input(bad, err, match):
-    with pytest.raises(err, match=match):
-        kp.quantize_weight_per_channel(bad)
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+def test_quantize_weight_mx(rng, fmt):
+    w = jnp.asarray(rng.standard_normal((256, 48)) * 0.05, jnp.float32)
+    for layout in ("nk", "kn"):
+        qw = kp.quantize_weight(w, fmt, layout=layout)
+        data, scale = (qw.data, qw.scale) if layout == "nk" else (qw.data.T, qw.scale.T)
+        assert data.shape == (48, 256) and scale.shape == (48, 8)
+        d, s = _compat.jax_mx_quantize(w.T, formats.as_format(fmt).dtype)  # jax's, along K
+        assert np.array_equal(codes_bytes(data), codes_bytes(d))
+        assert np.array_equal(codes_bytes(scale), codes_bytes(s))
 
 
-def _oracle(data, scale, w8, ws):
-    """float64: dequantize both operands, then matmul (per scale group)."""
-    d, w = f64(data), f64(w8) * f64(ws)
-    groups = scale.shape[-1]
-    d = (d.reshape(*d.shape[:-1], groups, -1) * f64(scale)[..., None]).reshape(d.shape)
-    return d @ w, np.abs(d) @ np.abs(w)
+def _oracle(qa, qw):
+    """float64: dequantize both operands (per scale group / block), then matmul."""
+    d = f64(qa.data)
+    g = qa.scale.shape[-1]
+    scale = f64(qa.scale.astype(jnp.float32))
+    d = (d.reshape(d.shape[:-1] + (g, -1)) * scale[..., None]).reshape(d.shape)
+    data, ws = (qw.data, qw.scale) if qw.layout == "nk" else (qw.data.T, (qw.scale if qw.scale.ndim < 2 else qw.scale.T))
+    w = f64(data)  # [N, K]
+    if qw.format.block is None:
+        w = w * f64(ws).reshape(-1, 1)
+    else:
+        w = (w.reshape(w.shape[0], -1, 32) * f64(ws.astype(jnp.float32))[..., None]).reshape(w.shape)
+    return d @ w.T, np.abs(d) @ np.abs(w.T)
 
 
-@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz"])
-@pytest.mark.parametrize("groups", [1, 4])
-@pytest.mark.parametrize("lead", [(5,), (2, 3)])
-@pytest.mark.parametrize("w_layout", ["kn", "nk"])
-def test_fp8_linear_against_oracle(rng, name, groups, lead, w_layout):
+@pytest.mark.parametrize("fmt,groups,lead,layout", [
+    ("float8_e4m3fn", 1, (5,), "nk"), ("float8_e5m2", 4, (2, 3), "kn"),
+    ("float8_e4m3fnuz", 4, (5,), "nk"), ("float8_e4m3fnuz", 1, (2, 3), "kn"),
+    ("mxfp8", None, (5,), "nk"), ("mxfp4", None, (2, 3), "kn")])
+def test_linear_against_the_oracle(rng, fmt, groups, lead, layout):
     k, n = 256, 96
-    x = jnp.asarray(rng.standard_normal(lead + (groups, k // groups)) * rng.uniform(0.1, 10, groups)[:, None],
+    x = jnp.asarray(rng.standard_normal(lead + (k,)) * np.repeat(rng.uniform(0.1, 10, 4), k // 4),
                     jnp.float32)
-    # Per-group per-token scales from the reference quantizer (one call per group).
-    parts = [kp.per_token_fp8_quant(x[..., g, :], fp8_dtype=name, impl="reference") for g in range(groups)]
-    data = jnp.concatenate([p.data for p in parts], axis=-1)
-    scale = jnp.concatenate([p.scale for p in parts], axis=-1)
-    w8, ws = kp.quantize_weight_per_channel(jnp.asarray(rng.standard_normal((k, n)), jnp.float32),
-                                            fp8_dtype=name, w_layout=w_layout)
-    assert w8.shape == ((k, n) if w_layout == "kn" else (n, k))
-    ref, mag = _oracle(data, scale, w8 if w_layout == "kn" else w8.T, ws)
-    out32 = jax.jit(lambda a, s, w, v: kp.fp8_linear(kp.QuantizedActivation(a, s), w, v,
-                                                     out_dtype=jnp.float32, w_layout=w_layout))(
-        data, scale, w8, ws)
+    f = fmt if groups is None else kp.Fp8PerToken(fmt, groups=groups)
+    wf = kp.Fp8PerToken(fmt) if groups else fmt
+    qa = kp.quantize(x, f, impl="reference")
+    qw = kp.quantize_weight(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), wf, layout=layout)
+    ref, mag = _oracle(qa, qw)
+    out32 = jax.jit(lambda a, w: kp.linear(a, w, out_dtype=jnp.float32))(qa, qw)
     assert out32.shape == lead + (n,) and out32.dtype == jnp.float32
     assert np.all(np.abs(f64(out32) - ref) <= 1e-5 * mag + 1e-30), "f32 output vs oracle"
-    out16 = kp.fp8_linear((data, scale), w8, ws, w_layout=w_layout)  # bf16; a plain tuple works
+    out16 = kp.linear(qa, qw)
     assert out16.dtype == jnp.bfloat16
     assert np.all(np.abs(f64(out16) - ref) <= 2**-8 * np.abs(ref) + 1e-5 * mag), "bf16 vs oracle"
-
-
-def test_fp8_linear_scalar_weight_scale(rng):
-    qa = kp.per_token_fp8_quant(jnp.asarray(rng.standard_normal((3, 64)), jnp.float32), impl="reference")
-    w8 = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32).astype(jnp.float8_e4m3fn)
-    ref, mag = _oracle(qa.data, qa.scale, w8, np.float64(0.5))
-    for scalar in (jnp.float32(0.5), 0.5):  # "or a scalar": a Python float too
-        out = kp.fp8_linear(qa, w8, scalar, out_dtype=jnp.float32, w_layout="kn")
-        assert np.all(np.abs(f64(out) - ref) <= 1e-5 * mag)
-
-
-@pytest.mark.parametrize("change,err,match", [
-    (dict(data=jnp.zeros((3, 64), jnp.bfloat16)), TypeError, "qa.data must have an fp8 dtype"),
-    (dict(w8=jnp.zeros((64, 8), jnp.float8_e5m2)), TypeError, "same fp8 dtype|qa.data's fp8 dtype"),
-    (dict(w8=jnp.zeros((63, 8), jnp.float8_e4m3fn)), ValueError, "the same K"),
-    (dict(scale=jnp.ones((3,), jnp.float32)), ValueError, "qa.scale must have shape"),
-    (dict(scale=jnp.ones((3, 3), jnp.float32)), ValueError, "split K"),
-    (dict(scale=jnp.ones((3, 1), jnp.bfloat16)), TypeError, "float32"),
-    (dict(ws=jnp.ones((7,), jnp.float32)), ValueError, "w_scale must have shape"),
-    (dict(out_dtype=jnp.int8), TypeError, "out_dtype"),
-    (dict(w_layout="kn8"), ValueError, "w_layout must be"),
-    (dict(w_layout="nk"), ValueError, r"w_fp8 \[N, K\]"),
-])
-def test_fp8_linear_bad_input(change, err, match):
-    args = dict(data=jnp.zeros((3, 64), jnp.float8_e4m3fn), scale=jnp.ones((3, 1), jnp.float32),
-                w8=jnp.zeros((64, 8), jnp.float8_e4m3fn), ws=jnp.ones((8,), jnp.float32),
-                out_dtype=jnp.bfloat16, w_layout="kn")
-    args.update(change)
-    with pytest.raises(err, match=match):
-        kp.fp8_linear(kp.QuantizedActivation(args["data"], args["scale"]), args["w8"], args["ws"],
-                      out_dtype=args["out_dtype"], w_layout=args["w_layout"])
-    with pytest.raises(TypeError, match="QuantizedActivation"):
-        kp.fp8_linear(args["data"], args["w8"], args["ws"], w_layout="kn")
+    np.testing.assert_allclose(np.asarray(kp.linear(qa, qw, out_dtype=jnp.float32, impl="reference")),
+                               ref, rtol=1e-5, atol=1e-5 * mag.max())
 
 
 def test_the_layout_travels_with_the_weight(rng):
-    """A square weight: the QuantizedWeight carries its layout into fp8_linear; a bare array
-    must say its layout (forgetting it silently computed x W^T before)."""
+    """A square weight: each layout gives the same product (reading one as the other would
+    compute x W^T)."""
     k = 64
     w = jnp.asarray(rng.standard_normal((k, k)), jnp.float32)
-    qa = kp.per_token_fp8_quant(jnp.asarray(rng.standard_normal((5, k)), jnp.float32),
-                                fp8_dtype="float8_e4m3fn", impl="reference")
+    qa = kp.quantize(jnp.asarray(rng.standard_normal((5, k)), jnp.float32), "fp8_per_token",
+                     impl="reference")
     want = f64(qa.dequantize()) @ f64(w)
     for layout in ("nk", "kn"):
-        qw = kp.quantize_weight_per_channel(w, fp8_dtype="float8_e4m3fn", **(
-            {} if layout == "nk" else {"w_layout": layout}))
-        assert isinstance(qw, kp.QuantizedWeight) and qw.layout == layout  # "nk" by default
-        out = jax.jit(lambda a, q: kp.fp8_linear(a, q, out_dtype=jnp.float32))(qa, qw)
+        qw = kp.quantize_weight(w, "fp8_per_token", layout=layout)
+        out = jax.jit(lambda a, q: kp.linear(a, q, out_dtype=jnp.float32))(qa, qw)
         assert np.abs(f64(out) - want).max() <= 0.05 * np.abs(want).max()
-        # e4m3fn: half a step is 2**-4 of a normal value, 2**-10 x scale below the normals.
-        err = np.abs(f64(qw.dequantize()) - f64(w))
+        err = np.abs(f64(qw.dequantize()) - f64(w))  # e4m3fn: half a step is 2**-4 relative
         assert np.all(err <= 2.0**-4 * np.abs(f64(w)) + 2.0**-10 * f64(qw.scale)[None, :] * 1.001)
-        w8, ws = qw  # unpacks as before
-        with pytest.raises(TypeError, match="needs w_scale and w_layout"):
-            kp.fp8_linear(qa, w8, ws)
-        with pytest.raises(TypeError, match="comes with the QuantizedWeight"):
-            kp.fp8_linear(qa, qw, ws)
-        with pytest.raises(ValueError, match="contradicts"):
-            kp.fp8_linear(qa, qw, w_layout="kn" if layout == "nk" else "nk")
-        np.testing.assert_array_equal(f64(kp.fp8_linear(qa, w8, ws, w_layout=layout, out_dtype=jnp.float32)),
-                                      f64(out))
+        w8, ws = qw  # unpacks
+        # A per-tensor (scalar) weight scale.
+        scalar = kp.QuantizedWeight(w8, jnp.float32(0.5), "fp8_per_token", layout)
+        ref, mag = _oracle(qa, scalar)
+        assert np.all(np.abs(f64(kp.linear(qa, scalar, out_dtype=jnp.float32)) - ref) <= 1e-5 * mag)
+
+
+def test_linear_errors(rng):
+    x = jnp.ones((2, 64), jnp.float32)
+    w = jnp.ones((64, 8), jnp.float32)
+    q4, w4 = kp.quantize(x, "mxfp4"), kp.quantize_weight(w, "mxfp4")
+    w8 = kp.quantize_weight(w, "mxfp8")
+    f8, wf8 = kp.quantize(x, "fp8_per_token"), kp.quantize_weight(w, "fp8_per_token")
+    bad = [
+        (lambda: kp.linear(q4, w8), TypeError, "the activation is mxfp4 and the weight mxfp8"),
+        (lambda: kp.linear(f8, w4), TypeError, "the activation is fp8_per_token and the weight mxfp4"),
+        (lambda: kp.linear(kp.quantize(x, kp.Fp8PerToken("float8_e5m2")), wf8), TypeError,
+         "the activation's elements are float8_e5m2 and the weight's float8_e4m3fn"),
+        (lambda: kp.linear(kp.quantize(jnp.ones((2, 32)), "mxfp4"), w4), ValueError, "qa.data .* need the same K"),
+        (lambda: kp.linear(q4, w4, impl="pallas"), ValueError, "impl must be"),
+        (lambda: kp.linear(q4, w4, out_dtype=jnp.int8), TypeError, "out_dtype"),
+        (lambda: kp.linear((f8.data, f8.scale), wf8), TypeError, "qa must be a QuantizedActivation"),
+        (lambda: kp.linear(f8, (wf8.data, wf8.scale)), TypeError, "qw must be a QuantizedWeight"),
+    ]
+    for call, err, match in bad:
+        with pytest.raises(err, match=f"linear: {match}"):
+            call()
 
 
 SMALL = dataclasses.replace(kimi_k3.KIMI_K3, hidden=256, mla_heads=4, kda_heads=6)
@@ -159,17 +162,18 @@ SMALL = dataclasses.replace(kimi_k3.KIMI_K3, hidden=256, mla_heads=4, kda_heads=
 def test_model_blocks_small(impl):
     """Both blocks under jit at small sizes: the kernel path equals the reference path up to
     rounding, and the FP8 o_proj path is within FP8 error of the bf16 one."""
-    r = kimi_k3.run(tokens=9, impl=impl, cfg=SMALL, kda_heads=(6, 12), log=lambda *_: None)
+    r = kimi_k3.run(tokens=9, impl=impl, cfg=SMALL, kda_heads=(6,), log=lambda *_: None)
     mla = r["mla_front"]
     assert mla["kv_c"] < 1e-2 and mla["q"] < 1e-2 and mla["k_pe"] == 0.0
     assert 1e-3 < mla["q_fp8_vs_bf16"] < 0.06  # q quantized in the norm, FP8 q_b
-    for heads in (6, 12):
-        assert 1e-3 < r[f"mla_out_{heads}x128"]["fp8_vs_bf16"] < 0.06  # gate + FP8 o_proj
-        e = r[f"kda_out_{heads}x128"]
-        assert 1e-3 < e["fp8_vs_bf16"] < 0.06, e  # e4m3: ~2**-4 relative per element
-        assert e["bf16_vs_f32"] < 1e-2
+    assert 1e-3 < r["mla_out_6x128"]["fp8_vs_bf16"] < 0.06  # gate + FP8 o_proj
+    e = r["kda_out_6x128"]
+    assert 1e-3 < e["fp8_vs_bf16"] < 0.06, e  # e4m3: ~2**-4 relative per element
+    assert e["bf16_vs_f32"] < 1e-2
+    assert 0.1 < e["mxfp4_vs_bf16"] < 0.25  # FP4 elements: ~17 %, not a broken path
 
 
+@pytest.mark.slow
 def test_model_blocks_kimi_k3_sizes():
     """Kimi-K3 sizes (hidden 7168, 2112-wide packed projection, KDA 12 x 128 and 96 x 128), the
     kernels in interpret mode, two tokens."""

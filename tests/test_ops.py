@@ -1,0 +1,185 @@
+"""Every op in every output format, one test body: the kernel (interpret mode here, compiled with
+``-m gpu``) and the jnp reference against independent float64 NumPy oracles, NaN-poisoned
+outputs, at small shapes that still reach every code path: several rows per program and a
+partial last block (T = 19, 16 rows per interpret program), non-power-of-two widths (padded
+lanes, padded head / block pieces), a token's blocks over two kernel rows (MX, 96 blocks), and
+in every input a zero row, a row holding NaN, a row scaled by 1e4 and a tiny one. Formats x
+dtypes are sampled, not crossed: every op meets every format, every dtype, both activations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import k3pallas as kp
+from k3pallas import testing
+
+from support import (ORACLE_TOL, assert_close_nan, check_quantized, f64, gated64, rmsnorm64,
+                     sigmoid64)
+
+T = 19  # > 16 rows per interpret program: two programs, the second partial
+FORMATS = {
+    None: None,
+    "e4m3fn": kp.Fp8PerToken(jnp.float8_e4m3fn),
+    "e4m3fnuz": kp.Fp8PerToken(jnp.float8_e4m3fnuz),
+    "e4m3fnuz-240": kp.Fp8PerToken(jnp.float8_e4m3fnuz, fp8_max=240.0),
+    "e5m2": kp.Fp8PerToken(jnp.float8_e5m2),
+    "options": kp.Fp8PerToken(jnp.float8_e4m3fn, min_scale=1e-3, scale_ub=2.0),
+    "mxfp8": kp.MXFP8,
+    "mxfp4": kp.MXFP4,
+}
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def tokens(rng, shape, dtype, specials=True):
+    """Per-token magnitudes over 2**-4 .. 2**4; with ``specials``: token 2 zero, token 5 one
+    NaN, token 7 scaled by 1e4 (100 in float16), token 11 by 1e-4."""
+    x = rng.standard_normal(shape) * 2 * np.exp2(rng.integers(-4, 5, (shape[0],) + (1,) * (len(shape) - 1)))
+    if specials:
+        x[2] = 0.0
+        x[5].flat[3] = np.nan
+        x[7] *= 100.0 if dtype == "float16" else 1e4
+        x[11] *= 1e-4
+    return jnp.asarray(x, dtype)
+
+
+def weight(rng, n, dtype="float32"):
+    return jnp.asarray(rng.uniform(0.2, 2.0, n), dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """An op at one small shape: ``make(rng, dtype) -> arrays``; ``call(arrays, fmt, impl)``;
+    ``oracle(arrays) -> float64 outputs``, the quantized one first as ``[..., N]`` per token."""
+
+    make: Callable
+    call: Callable
+    oracle: Callable
+    widths: dict = dataclasses.field(default_factory=dict)
+
+
+def _qkv(rng, dtype, rope):
+    q, kv = tokens(rng, (T, 96), dtype), tokens(rng, (T, 40), dtype, specials=False)
+    pe = tokens(rng, (T, rope), dtype, specials=False)
+    return q, kv, pe
+
+
+CASES = {
+    "rmsnorm": Case(
+        lambda rng, dt: (tokens(rng, (T, 96), dt), weight(rng, 96, dt)),
+        lambda a, fmt, impl, **kw: kp.rmsnorm(*a, 1e-6, out_format=fmt, impl=impl, **kw),
+        lambda a: (rmsnorm64(a[0], a[1], 1e-6),)),
+    "fused_q_kv_rmsnorm": Case(
+        lambda rng, dt: (*_qkv(rng, dt, 0)[:2], weight(rng, 96, dt), weight(rng, 40)),
+        lambda a, fmt, impl, **kw: kp.fused_q_kv_rmsnorm(*a, 1e-6, kv_eps=1e-5, out_format=fmt,
+                                                         impl=impl, **kw),
+        lambda a: (rmsnorm64(a[0], a[2], 1e-6), rmsnorm64(a[1], a[3], 1e-5))),
+    "mla_q_kv_norm": Case(
+        lambda rng, dt: (jnp.concatenate(_qkv(rng, dt, 5), -1), weight(rng, 96), weight(rng, 40, dt)),
+        lambda a, fmt, impl, **kw: kp.mla_q_kv_norm(*a, 1e-6, q_size=96, kv_size=40, out_format=fmt,
+                                                    impl=impl, **kw),
+        lambda a: (rmsnorm64(a[0][:, :96], a[1], 1e-6), rmsnorm64(a[0][:, 96:136], a[2], 1e-6),
+                   f64(a[0][:, 136:]))),
+    # 15 heads: pieces 8 + 4 + (3 padded to 4); head dim 64 (2 blocks of 32).
+    "rmsnorm_gated": Case(
+        lambda rng, dt: (tokens(rng, (T, 15, 64), dt), weight(rng, 64),
+                         jnp.asarray(rng.standard_normal((T, 15, 64)) * 3, "float32" if dt == "float16" else dt)),
+        lambda a, fmt, impl, act="sigmoid", **kw: kp.rmsnorm_gated(*a, 1e-5, activation=act,
+                                                                   out_format=fmt, impl=impl, **kw),
+        lambda a, act="sigmoid": (gated64(a[0], a[1], a[2], 1e-5, act),)),
+    # 3072 columns: pieces 2048 + 1024; MX: 96 blocks, two kernel rows of 48 per token.
+    "sigmoid_mul": Case(
+        lambda rng, dt: (tokens(rng, (T, 3072), dt), jnp.asarray(rng.standard_normal((T, 3072)) * 3, dt)),
+        lambda a, fmt, impl, **kw: kp.sigmoid_mul(*a, out_format=fmt, impl=impl, **kw),
+        lambda a: (f64(a[0]) * sigmoid64(f64(a[1])),)),
+    # 480 columns: pieces 256 + 128 + (96 padded to 128); MX: 15 blocks, 8 + 4 + (3 padded).
+    "quantize": Case(
+        lambda rng, dt: (tokens(rng, (T, 480), dt),),
+        lambda a, fmt, impl, **kw: kp.quantize(*a, fmt, impl=impl, **kw),
+        lambda a: (f64(a[0]),)),
+}
+
+# (op, format, dtype), sampled: every op meets every format and every dtype.
+PARAMS = []
+for i, op in enumerate(CASES):
+    for j, fmt in enumerate(FORMATS):
+        if op == "quantize" and fmt is None:
+            continue
+        if fmt == "options" and op not in ("quantize", "sigmoid_mul", "rmsnorm_gated"):
+            continue
+        PARAMS.append((op, fmt, DTYPES[(i + j) % 3]))
+
+
+def check(op, arrays, out, fmt, what, **oracle_kw):
+    """The outputs of ``op`` against its float64 oracle."""
+    want = CASES[op].oracle(arrays, **oracle_kw)
+    out = list(out) if isinstance(out, tuple) else [out]
+    assert len(out) == len(want), (what, len(out), len(want))
+    for i, (o, w) in enumerate(zip(out, want)):
+        if isinstance(o, kp.QuantizedActivation):
+            assert o.format == fmt, (what, o.format, fmt)
+            check_quantized(o, w.reshape(o.data.shape), f"{what} output {i}")
+        else:
+            dtype = arrays[0].dtype if i != 1 or op == "mla_q_kv_norm" else arrays[1].dtype
+            assert o.dtype == dtype, (what, i, o.dtype)
+            assert_close_nan(o, w.reshape(o.shape), ORACLE_TOL[jnp.dtype(dtype).name],
+                             f"{what} output {i}")
+
+
+@pytest.mark.parametrize("impl", ["interpret", "reference",
+                                  pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("op,fmt,dtype", PARAMS)
+def test_against_the_float64_oracle(rng, op, fmt, dtype, impl):
+    case = CASES[op]
+    arrays = case.make(rng, dtype)
+    f = FORMATS[fmt]
+    fmt_value = None if f is None else f.resolve(kp.current_target())
+    with testing.poisoned_outputs():
+        out = jax.jit(lambda *a: case.call(a, f, impl))(*arrays)
+    check(op, arrays, out, fmt_value, f"{op} {fmt} {dtype} {impl}")
+
+
+@pytest.mark.parametrize("fmt", [None, "e4m3fnuz", "mxfp4"])
+def test_silu(rng, fmt):
+    """The gated norm's other activation (the body above runs sigmoid)."""
+    case = CASES["rmsnorm_gated"]
+    arrays = case.make(rng, "bfloat16")
+    f = FORMATS[fmt]
+    with testing.poisoned_outputs():
+        out = jax.jit(lambda *a: case.call(a, f, "interpret", act="silu"))(*arrays)
+    check("rmsnorm_gated", arrays, out, None if f is None else f.resolve(kp.current_target()),
+          f"silu {fmt}", act="silu")
+
+
+@pytest.mark.parametrize("op,groups", [("quantize", 4), ("sigmoid_mul", 3), ("rmsnorm_gated", 5)])
+def test_per_token_groups(rng, op, groups):
+    """``groups`` scales per token (of the columns; of the heads for the gated norm)."""
+    case = CASES[op]
+    arrays = case.make(rng, "bfloat16")
+    f = kp.Fp8PerToken(jnp.float8_e4m3fn, groups=groups)
+    with testing.poisoned_outputs():
+        out = jax.jit(lambda *a: case.call(a, f, "interpret"))(*arrays)
+    assert out.scale.shape == (T, groups)
+    check(op, arrays, out, f.resolve(kp.current_target()), f"{op} groups={groups}")
+
+
+@pytest.mark.parametrize("op", ["rmsnorm", "rmsnorm_gated", "quantize"])
+def test_a_nan_changes_no_other_token(rng, op):
+    """The outputs of every token but the one holding the NaN are those of a clean run, bit for
+    bit (per-token FP8; MX likewise per block, checked by the oracle above)."""
+    case = CASES[op]
+    arrays = case.make(rng, "float32")
+    clean = (jnp.where(jnp.isnan(arrays[0]), 1.0, arrays[0]),) + arrays[1:]
+    fn = jax.jit(lambda *a: case.call(a, FORMATS["e4m3fn"], "interpret"))
+    dirty, ok = fn(*arrays), fn(*clean)
+    others = np.arange(T) != 5
+    assert np.isnan(np.asarray(dirty.scale)[5]).all()
+    assert np.array_equal(np.asarray(dirty.data).view(np.uint8)[others],
+                          np.asarray(ok.data).view(np.uint8)[others])
+    assert np.array_equal(np.asarray(dirty.scale)[others], np.asarray(ok.scale)[others])
