@@ -59,6 +59,7 @@ def test_parser_recorded_h200_trace():
     assert k == 2
 
 
+@pytest.mark.slow
 def test_quick_mode_end_to_end(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--out", str(out),
@@ -119,6 +120,7 @@ def test_tune_table_and_merge():
     assert merged["a"] == [[8, 8, 1, 8, 1, 4], [256, 8, 1, 4, 1], [1448, 8, 1, 2, 1]]
 
 
+@pytest.mark.slow
 def test_device_report_end_to_end_without_a_gpu(tmp_path):
     """The GPU owner's one command, here with nothing to install and no GPU: it records what jax
     and k3pallas see and packs one archive."""

@@ -93,7 +93,7 @@ def test_simulated_mismatch_through_the_api(fresh, monkeypatch, rng):
     real = fp8_cast.native_codes
     monkeypatch.setattr(fp8_cast, "native_codes", lambda v, dtype: real(v * 1.5, dtype))
     x = jnp.asarray(rng.standard_normal((8, 256)), jnp.float32)
-    with pytest.raises(RuntimeError, match="per_token_fp8_quant: fp8_cast='native'"), \
+    with pytest.raises(RuntimeError, match="quantize: fp8_cast='native'"), \
             pytest.warns(RuntimeWarning, match="or the encoder differs"):
         kp.per_token_fp8_quant(x, fp8_cast="native", impl="interpret")
     enc = kp.per_token_fp8_quant(x, fp8_cast="encoder", impl="interpret")
@@ -125,16 +125,16 @@ def test_without_a_device_auto_is_the_encoder_and_native_raises(monkeypatch):
 
 def test_modes_and_environment_variable(monkeypatch, rng):
     x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
-    with pytest.raises(ValueError, match="per_token_fp8_quant: fp8_cast must be one of"):
+    with pytest.raises(ValueError, match="quantize: fp8_cast must be one of"):
         kp.per_token_fp8_quant(x, fp8_cast="fast")
     with pytest.raises(ValueError, match="fp8_cast must be one of"):
         kp.rmsnorm_gated_fp8_per_token(x.reshape(4, 2, 32), jnp.ones(32), x.reshape(4, 2, 32), fp8_cast=1)
     monkeypatch.setenv(fp8_lib.CAST_ENV_VAR, "bogus")
-    with pytest.raises(ValueError, match="per_token_fp8_quant: environment variable K3PALLAS_FP8_CAST='bogus'"):
+    with pytest.raises(ValueError, match="quantize: environment variable K3PALLAS_FP8_CAST='bogus'"):
         kp.per_token_fp8_quant(x, impl="interpret")
     # Calls that convert nothing in a kernel do not read it.
     kp.per_token_fp8_quant(x, impl="reference")
-    kp.quantize_weight_per_channel(x)
+    kp.quantize_weight(x, "fp8_per_token")
     monkeypatch.setenv(fp8_lib.CAST_ENV_VAR, " Encoder ")
     assert fp8_lib.resolve_cast_mode(None) == "encoder"
     monkeypatch.setenv(fp8_lib.CAST_ENV_VAR, "native_unchecked")  # ahead-of-time tools pass it as an argument

@@ -1,6 +1,7 @@
 """Deviceless lowering of the compiled path for an H200 (cuda) and AMD gfx942 / gfx950 (rocm):
-the Triton IR is generated, and each fused op is exactly one Triton custom call. This catches
-Triton-only lowering failures that interpret mode cannot (power-of-two shapes, fp8 casts)."""
+the Triton IR is generated, and each op in each output format is exactly one Triton custom call,
+named after the op and its format. This catches Triton-only lowering failures that interpret
+mode cannot (power-of-two shapes, fp8 casts)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import k3pallas as kp
-from k3pallas import ops as op_table
+from bench import cases as bench_cases
 from k3pallas import platform
 from k3pallas.kernels import hooks, launch
 from k3pallas import testing
@@ -42,17 +43,28 @@ def test_fused_q_kv_one_launch(target, widths):
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t[0])
+@pytest.mark.parametrize("name", list(bench_cases.OPS))
+def test_every_op_and_format_is_one_launch(target, name):
+    """Each case of bench.cases at its first model config (every output format: MXFP8 and MXFP4
+    by the configs), lowered for the target: one Triton call named after the op and the format."""
+    spec = bench_cases.OPS[name]
+    for cfg in spec.configs[:2]:
+        structs, options = spec.example(64, jnp.dtype(jnp.bfloat16), **spec.sizes[cfg])
+        text = lowered_text(lambda *a: spec.fn(*a, impl="pallas", **options), structs, target)
+        fmt = options.get("out_format")
+        want = "k3pallas_" + spec.op + ("" if fmt is None else f"_{fmt}")
+        (call,) = testing.triton_launches(text)
+        assert call["name"] == want, (call["name"], want)
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t[0])
 @pytest.mark.parametrize("fp8_dtype", FP8, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("hd", [(32, 128), (12, 128), (5, 96)])
-def test_gated_fp8_one_launch(target, fp8_dtype, hd):
-    h, d = hd
-    x, w, g = sds((64, h, d)), sds((d,), jnp.float32), sds((64, h, d))
+def test_every_fp8_dtype_lowers(target, fp8_dtype):
+    x, w, g = sds((64, 5, 96)), sds((96,), jnp.float32), sds((64, 5, 96))
     fn = lambda *a: kp.rmsnorm_gated_fp8_per_token(*a, fp8_dtype=fp8_dtype, impl="pallas")  # noqa: E731
-    text = lowered_text(fn, (x, w, g), target)
-    assert text.count(TRITON_CALL) == 1
-    assert "k3pallas_rmsnorm_gated_fp8_per_token" in text
+    assert lowered_text(fn, (x, w, g), target).count(TRITON_CALL) == 1
     fn = lambda a: kp.per_token_fp8_quant(a, fp8_dtype=fp8_dtype, impl="pallas")  # noqa: E731
-    assert lowered_text(fn, (sds((64, h * d)),), target).count(TRITON_CALL) == 1
+    assert lowered_text(fn, (sds((64, 480)),), target).count(TRITON_CALL) == 1
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t[0])
@@ -93,7 +105,7 @@ def test_launch_config_follows_the_target(tokens):
         text = lowered_text(lambda *a: kp.fused_q_kv_rmsnorm(*a, impl="pallas"), args, target)
         (launched,) = testing.triton_launches(text)
         cfg = launch.launch_config("fused_q_kv_rmsnorm", tokens, 2048 + 512, 2048,
-                                     platform.target_for(*target), splits=(2,))
+                                   target=platform.target_for(*target), splits=(2,))
         assert launched["num_warps"] == cfg.num_warps and launched["num_stages"] == cfg.num_stages
         assert launched["grid_x"] == -(-tokens // cfg.rows_per_program)
         assert launched["grid_y"] == cfg.split  # q and kv on two programs where tuned so
@@ -114,7 +126,7 @@ def test_huge_rows_lower():
 def test_fp8_output_offset_window_is_refused():
     """1-byte outputs of 2**31..2**32 bytes would get wrapping 32-bit offsets: refused clearly."""
     x = sds((2**19, 4096))
-    with pytest.raises(ValueError, match="32-bit signed offsets"):
+    with pytest.raises(ValueError, match="^quantize: .*32-bit signed offsets"):
         lowered_text(lambda a: kp.per_token_fp8_quant(a, impl="pallas"), (x,), TARGETS[0])
 
 
@@ -123,27 +135,28 @@ def test_fp8_output_offset_window_is_refused():
 def test_cross_device_scale_modes_lower(target, mode):
     """The two launches behind a cross-device FP8 scale (k3pallas.sharding) lower for every
     target, in the target's default fp8 format (e4m3fnuz on gfx942)."""
-    from k3pallas import fp8 as fp8_lib
-    from k3pallas.kernels import gated_fp8 as kernels
+    from k3pallas.kernels import common, gated as kernels
+
+    t = platform.target_for(*target)
+    kw = dict(q=common.Quant(kp.Fp8PerToken().resolve(t), False), interpret=False, target=t,
+              mode=mode)
 
     def gated(x, w, g, s):
-        q = fp8_lib.resolve_fp8_params()
-        out = kernels.rmsnorm_gated_rows(x, g, w, eps=1e-5, activation="sigmoid", op=op_table.RMSNORM_GATED_FP8_PER_TOKEN.name, fp8=q,
-                                         interpret=False, mode=mode,
-                                         scale=s if mode == "given_scale" else None)
+        out = kernels.rmsnorm_gated_rows(x, g, w, key="rmsnorm_gated_fp8_per_token", eps=1e-5,
+                                         activation="sigmoid",
+                                         scale=s if mode == "given_scale" else None, **kw)
         return [o for o in out if o is not None]
 
     def quant(x, s):
-        q = fp8_lib.resolve_fp8_params()
-        out = kernels.per_token_fp8_rows(x, op=op_table.PER_TOKEN_FP8_QUANT.name, fp8=q, interpret=False, mode=mode,
-                                         scale=s if mode == "given_scale" else None)
+        out = kernels.quantize_rows(x, key="quantize_fp8_per_token",
+                                    scale=s if mode == "given_scale" else None, **kw)
         return [o for o in out if o is not None]
 
     args = (sds((64, 12, 128)), sds((128,), jnp.float32), sds((64, 12, 128)), sds((64,), jnp.float32))
     text = lowered_text(gated, args, target)
     assert text.count(TRITON_CALL) == 1 and f"k3pallas_rmsnorm_gated_fp8_per_token_{mode}" in text
     text = lowered_text(quant, (sds((64, 1536)), sds((64,), jnp.float32)), target)
-    assert text.count(TRITON_CALL) == 1 and f"k3pallas_per_token_fp8_quant_{mode}" in text
+    assert text.count(TRITON_CALL) == 1 and f"k3pallas_quantize_fp8_per_token_{mode}" in text
 
 
 def test_hooks_apply_to_a_shape_traced_before():

@@ -36,8 +36,8 @@ def test_resources_parser():
 
 
 def test_gate():
-    base = {"arch": "gfx942", "op": "fused_q_kv_rmsnorm", "vgpr_spill": 0, "sgpr_spill": 0,
-            "scratch": 0, "occupancy": 8}
+    base = {"arch": "gfx942", "op": "fused_q_kv_rmsnorm", "kernel": "k3pallas_fused_q_kv_rmsnorm",
+            "vgpr_spill": 0, "sgpr_spill": 0, "scratch": 0, "occupancy": 8}
     assert rocm_check.problems(base) == []
     assert rocm_check.problems({**base, "vgpr_spill": 3})
     assert rocm_check.problems({**base, "scratch": 16})
@@ -214,7 +214,7 @@ def test_amd_cost_model(tmp_path):
     from bench.rocm import amd_cost
 
     devices = {"gfx942": {"core_count": 304, "clock_rate_ghz": 2.1}}
-    base = {"arch": "gfx942", "op": "per_token_fp8_quant", "config": "kimi-linear-kda",
+    base = {"arch": "gfx942", "op": "quantize_fp8_per_token", "config": "kimi-linear-kda",
             "tokens": 65536, "grid": [65536, 1, 1], "num_warps": 1, "instructions": 200,
             "vgpr": 40, "occupancy": 8}
     gate = {"meta": {"devices": devices, "compiler": "test"},
@@ -244,8 +244,8 @@ def test_amd_cost_model(tmp_path):
 
 
 def test_the_gate_fails_a_wrong_format_or_too_many_threads():
-    row = {"arch": "gfx942", "sharded": "named", "op": "per_token_fp8_quant", "config": "c",
-           "tokens": 8, "kernel": "k3pallas_per_token_fp8_quant", "fp8_cast": "native",
+    row = {"arch": "gfx942", "sharded": "named", "op": "quantize_fp8_per_token", "config": "c",
+           "tokens": 8, "kernel": "k3pallas_quantize_fp8_per_token", "fp8_cast": "native",
            "fp8_formats": ["f8e4m3fnuz"], "fp8_cvt": ["v_cvt_pk_fp8_f32"], "threads": 256,
            "vgpr_spill": 0, "sgpr_spill": 0, "scratch": 0, "occupancy": 8}
     assert rocm_check.problems(row) == []

@@ -13,6 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
 def test_sharded_ops_on_8_virtual_devices(partitioner, tmp_path):
     """Under Shardy (jax's default) and under GSPMD (``jax_use_shardy_partitioner=False``)."""

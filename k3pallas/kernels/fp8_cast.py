@@ -201,7 +201,7 @@ def _attached(target: platform.Target) -> str | None:
     return None
 
 
-def decide(dtype, fp8_cast, *, interpret: bool, target: platform.Target) -> CastDecision:
+def decide(dtype, fp8_cast, *, target: platform.Target, interpret: bool = False) -> CastDecision:
     """The conversion path for ``dtype`` in a kernel built for ``target``; ``fp8_cast``: the
     mode asked for (None: ``$K3PALLAS_FP8_CAST``, else "auto"). RuntimeError where "native" is
     asked for and cannot be had.

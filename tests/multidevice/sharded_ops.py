@@ -231,12 +231,16 @@ def test_kda_output_tensor_parallel(mesh):
     o, g = rand(22, (16, 8, 32)), rand(23, (16, 8, 32))
 
     def path(p, o, g):
-        qa = kp.rmsnorm_gated_fp8_per_token(o, p["norm"], g, cfg.kda_eps, scale_groups=TP,
-                                            fp8_dtype=p["w_o_fp8"].dtype, impl="interpret")
-        return kp.fp8_linear(qa, p["w_o_fp8"], p["w_o_scale"], w_layout="nk", out_dtype=jnp.float32)
+        fmt = kp.Fp8PerToken(p["w_o_fp8"].format.dtype, groups=TP)
+        qa = kp.rmsnorm_gated(o, p["norm"], g, cfg.kda_eps, out_format=fmt, impl="interpret")
+        return kp.linear(qa, p["w_o_fp8"], out_dtype=jnp.float32)
 
-    specs = {"norm": P(), "w_o": P("tp", None), "w_o_fp8": P(None, "tp"), "w_o_scale": P()}
-    ps = {k: put(mesh, v, *specs.get(k, ())) for k, v in params.items()}
+    # Row-parallel o_proj: the FP8 copy's K (its columns: stored [N, K]) over tp.
+    specs = {"norm": P(), "w_o": P("tp", None), "w_o_mx": P()}
+    w8 = params["w_o_fp8"]
+    ps = {k: put(mesh, v, *specs.get(k, ())) for k, v in params.items() if k != "w_o_fp8"}
+    ps["w_o_fp8"] = jax.tree.unflatten(jax.tree.structure(w8), [put(mesh, w8.data, None, "tp"),
+                                                                put(mesh, w8.scale)])
     os_, gs = put(mesh, o, "dp", "tp"), put(mesh, g, "dp", "tp")
     out = jax.jit(path)(ps, os_, gs)
     ref = jax.jit(path)(params, o, g)
@@ -256,7 +260,7 @@ def test_mx_ops_sharded(mesh, impl, fmt):
     exact = impl != "reference"
     x, g, w = rand(30, (16, 8, 64), scale=3), rand(31, (16, 8, 64)), rand(32, (64,), jnp.float32)
     x = x.at[2, 5, 40].set(jnp.nan)  # a NaN in head 5 of token 2: that head's 2 blocks NaN, no other
-    fn = lambda x, w, g: kp.rmsnorm_gated_quant(x, w, g, out_format=fmt, impl=impl)  # noqa: E731
+    fn = lambda x, w, g: kp.rmsnorm_gated(x, w, g, out_format=fmt, impl=impl)  # noqa: E731
     qa = check(mesh, fn, (x, w, g), [("dp", "tp"), (), ("dp", "tp")], expect_all_reduce=False,
                what=f"{fmt} gated, heads over tp", exact=exact)
     scale = np.asarray(qa.scale.astype(jnp.float32))
@@ -265,23 +269,54 @@ def test_mx_ops_sharded(mesh, impl, fmt):
     if impl == "interpret":
         return
     a, b = rand(33, (16, 512), scale=2), rand(34, (16, 512))
-    check(mesh, lambda a, b: kp.sigmoid_mul_quant(a, b, out_format=fmt, impl=impl), (a, b),
+    check(mesh, lambda a, b: kp.sigmoid_mul(a, b, out_format=fmt, impl=impl), (a, b),
           [("dp", "tp"), ("dp", "tp")], expect_all_reduce=False, what=f"{fmt} sigmoid-mul",
           exact=exact)
-    check(mesh, lambda a: kp.quantize_activation(a, out_format=fmt, impl=impl), (a,),
+    check(mesh, lambda a: kp.quantize(a, fmt, impl=impl), (a,),
           [(None, ("dp", "tp"))], expect_all_reduce=False, what=f"{fmt} quant, columns",
           exact=exact)
     q, kv, wq, wkv = rand(35, (64, 96)), rand(36, (64, 32)), rand(37, (96,)), rand(38, (32,))
-    check(mesh, lambda q, kv, wq, wkv: kp.fused_q_kv_rmsnorm_quant(q, kv, wq, wkv, out_format=fmt,
-                                                                   impl=impl),
+    check(mesh, lambda q, kv, wq, wkv: kp.fused_q_kv_rmsnorm(q, kv, wq, wkv, out_format=fmt,
+                                                             impl=impl),
           (q, kv, wq, wkv), [TOKENS, TOKENS, (), ()], expect_all_reduce=False,
           what=f"{fmt} joint norm", exact=exact)
     packed = rand(39, (64, 96 + 32 + 8))
-    check(mesh, lambda p, wq, wkv: kp.mla_q_kv_norm_quant(p, wq, wkv, q_size=96, kv_size=32,
-                                                          out_format=fmt, impl=impl),
+    check(mesh, lambda p, wq, wkv: kp.mla_q_kv_norm(p, wq, wkv, q_size=96, kv_size=32,
+                                                    out_format=fmt, impl=impl),
           (packed, wq, wkv), [TOKENS, (), ()], expect_all_reduce=False,
           what=f"{fmt} packed norm", exact=exact)
     smap = functools.partial(jax.shard_map, mesh=mesh)
     got = jax.jit(smap(fn, in_specs=(P("dp", "tp"), P(), P("dp", "tp")),
                        out_specs=P("dp", "tp")))(x, w, g)
     same(got, fn(x, w, g), f"{fmt} gated in shard_map", exact=exact)
+
+
+@pytest.mark.parametrize("op", ["quantize", "sigmoid_mul"])
+def test_mx_column_sharding_eager_and_jit_agree(mesh, op):
+    """Round 3: an eager call on columns sharded in whole blocks was refused while jit took it,
+    and under jit fewer than 32 columns per device died in the partitioner (IndivisibleError).
+    Now both take whole blocks per shard (the kernel path, equal to the unsharded op, the scales
+    sharded alike and nothing gathered), and both refuse shards of part of a block with the
+    block size named."""
+    call = {"quantize": lambda a: kp.quantize(a, "mxfp4", impl="interpret"),
+            "sigmoid_mul": lambda a: kp.sigmoid_mul(a, a, out_format="mxfp4", impl="interpret")}[op]
+    x = rand(40, (4, 256), scale=2)  # 32 columns on each of the 8 devices
+    xs = put(mesh, x, None, ("dp", "tp"))
+    want = call(x)
+    for got in (call(xs), jax.jit(call)(xs)):
+        same(got, want, f"{op} mxfp4, whole blocks per shard")
+    assert jax.jit(call)(xs).scale.sharding.spec[-1] == ("dp", "tp")
+    assert "all-gather" not in compiled_text(call, xs)
+    for n in (96, 320):  # 12 and 40 columns per device: part of a block
+        xs = put(mesh, rand(41, (4, n)), None, ("dp", "tp"))
+        with pytest.raises(ValueError, match=r"a shard must hold whole blocks.*multiples of 32"):
+            call(xs)
+        # Under jit the partitioner's error carries the same text (jax wraps it); with Shardy,
+        # 40 columns per device become a split of the block axis that jax cannot express and
+        # jax's own IndivisibleError comes first (docs/sharding.md).
+        with pytest.raises(jax.errors.JaxRuntimeError,
+                           match=r"a shard must hold whole blocks|IndivisibleError"):
+            jax.jit(call)(xs)
+        if n == 96:
+            with pytest.raises(jax.errors.JaxRuntimeError, match=r"a shard must hold whole blocks"):
+                jax.jit(call)(xs)
