@@ -62,6 +62,24 @@ def environment(target) -> dict:
     }
 
 
+# What a byte costs against a variant's compile in the time-left estimate: a case's timed calls
+# rotate over more input sets and take longer with the bytes it moves; its compiles do not.
+_BYTES_PER_COMPILE = 32 << 20
+
+
+def job_weight(op: str, config: str, tokens: int, dtype: str, gpu: bool) -> float:
+    """A case's relative cost, for the time-left estimate: per variant (the fused kernel, the
+    reference, the unfused form, the encoder on a GPU, the copy), one compile plus its calls."""
+    if op in cases.OPS:
+        spec = cases.OPS[op]
+        variants = 3 + (spec.unfused is not None) + (gpu and (spec.fp8 or spec.mx))
+        nbytes = spec.bytes_moved(config, tokens, dtype)
+    else:  # the KDA output path: four variants around a GEMM
+        c = cases.KDA_OUTPUT[config]
+        variants, nbytes = 6, tokens * c["heads"] * c["dim"] * 6 + c["heads"] * c["dim"] * c["hidden"]
+    return variants * (1.0 + nbytes / _BYTES_PER_COMPILE)
+
+
 def measure(case: bench_ops.Case, gpu: bool, calls: int, target) -> list[dict]:
     sets = bench_ops.input_sets(case, target) if gpu else [case.make_inputs(0)]
     n_sets = len(sets)
@@ -260,6 +278,8 @@ def main(argv=None) -> int:
     records = []
     t_start = time.time()
     env["cases"] = len(jobs)
+    weights = [job_weight(op, cfg, t, args.dtype, gpu) for op, cfg, t in jobs]
+    _log(f"{len(jobs)} cases; writing {args.out}/results.md and results.json after each")
     md = markdown(records, env)
     for i, (op, cfg, t) in enumerate(jobs, 1):
         case = bench_ops.make_case(op, cfg, t, args.dtype, impl)
@@ -267,7 +287,7 @@ def main(argv=None) -> int:
         records += recs
         k = next(r for r in recs if r["variant"] == "k3pallas")
         elapsed = time.time() - t_start
-        left = elapsed / i * (len(jobs) - i)
+        left = elapsed * sum(weights[i:]) / sum(weights[:i])
         detail = (f"{k['kernels_per_call']} kernels, {_fmt(k['pct_of_copy'], '.0f')}% of copy"
                   if gpu else "CPU wall-clock")
         _log(f"[{i}/{len(jobs)} {elapsed:6.1f}s, ~{left:.0f}s left] {op} {cfg} T={t}: k3pallas "

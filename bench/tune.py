@@ -1,11 +1,12 @@
 """``python -m bench.tune``: sweep launch configs on the GPU and write the per-platform table.
 
-For each op of the op table (``k3pallas.ops``), its model configs and each token count, it times
-every (rows per program, num_warps) pair (``k3pallas.kernels.hooks.forced``) with device-side
-timing (the kernels have no loop, so ``num_stages`` stays 1), and, with ``--splits 1,2``, a row
-block on one or two programs for the ops that can do that (``LaunchConfig.split``: the joint
-norms; the others skip it), and compares the best with the heuristic default. ``--write`` merges the winners into ``k3pallas/kernels/tuned_configs.json``
-under the device's architecture, which ``k3pallas.kernels.launch.launch_config`` reads. Results (every
+For each case of ``bench.cases`` (an op with an output format), its model configs and each
+token count, it times every (rows per program, num_warps) pair (``hooks.forced``) with
+device-side timing (the kernels have no loop, so ``num_stages`` stays 1), and, with
+``--splits 1,2``, a row block on one or two programs where the kernel can (the joint norms;
+the others skip it), and compares the best with the heuristic default. ``--write`` merges the
+winners into ``k3pallas/kernels/tuned_configs.json`` under the device's architecture and the
+launch key (the op with its output format), which ``launch.launch_config`` reads. Results (every
 point) go to ``--out``/tune.json and a summary table to tune.md.
 """
 
@@ -55,7 +56,7 @@ def _op_fn(name, cfg_name, dtype):
         structs, _ = spec.example(t, dt, **spec.sizes[cfg_name])
         with hooks.recording() as log:
             jax.jit(lambda *a: spec.fn(*a, impl="pallas", **options)).trace(*structs)
-        return log[0].row_elems, log[0].max_tile_row_elems
+        return log[0].row_elems, log[0].max_tile_row_elems, log[0].op
     return make, fn, key
 
 
@@ -67,10 +68,10 @@ def sweep(names, tokens, dtype, calls, log=print, configs=None, splits=(1,), row
         for cfg_name in [c for c in ops.OPS[name].configs if configs is None or c in configs]:
             make, fn, key = _op_fn(name, cfg_name, dtype)
             for t in tokens:
-                row_elems, max_tile = key(t)
+                row_elems, max_tile, launch_key = key(t)
                 per_set = ops.OPS[name].bytes_moved(cfg_name, t, dtype)
                 sets = [make(s, t) for s in range(bench_ops.rotation_sets(per_set, bench_ops.cache_bytes(target)))]
-                default = launch.heuristic_config(name, t, row_elems, max_tile, target)
+                default = launch.heuristic_config(launch_key, t, row_elems, max_tile, target)
                 results = []
                 for split, rows, warps in itertools.product(splits, rows_list, warps_list):
                     if rows > max(1, common.pow2(t)):
@@ -95,7 +96,8 @@ def sweep(names, tokens, dtype, calls, log=print, configs=None, splits=(1,), row
                 dflt = next((r for r in results if r["rows"] == default.rows_per_program
                              and r["warps"] == default.num_warps
                              and r["split"] == default.split), None)
-                points.append({"op": name, "config": cfg_name, "tokens": t, "row_elems": row_elems,
+                points.append({"op": name, "key": launch_key, "config": cfg_name, "tokens": t,
+                               "row_elems": row_elems,
                                "bytes": per_set, "best": best,
                                "default": {"rows": default.rows_per_program,
                                            "warps": default.num_warps, "split": default.split,
@@ -109,7 +111,8 @@ def sweep(names, tokens, dtype, calls, log=print, configs=None, splits=(1,), row
 
 
 def table(points, up_to: int | None = None) -> dict:
-    """{op: [[max_tokens, row_elems, rows, warps, 1(, split)], ...]} from the sweep's winners.
+    """{launch key: [[max_tokens, row_elems, rows, warps, 1(, split)], ...]} from the sweep's
+    winners (the key: the op with its output format, ``common.launch_name``).
 
     Each measured token count T_i serves token counts up to the geometric mean of T_i and the next
     measured one; the largest serves everything above it, or up to ``up_to`` (a sweep of part of
@@ -118,7 +121,7 @@ def table(points, up_to: int | None = None) -> dict:
     out = {}
     by_shape = {}
     for p in points:
-        by_shape.setdefault((p["op"], p["row_elems"]), []).append(p)
+        by_shape.setdefault((p.get("key", p["op"]), p["row_elems"]), []).append(p)
     for (op, row_elems), ps in sorted(by_shape.items()):
         ps.sort(key=lambda p: p["tokens"])
         for i, p in enumerate(ps):

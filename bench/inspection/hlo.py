@@ -1,7 +1,7 @@
 """What XLA compiled: the instructions of a compiled module's entry computation.
 
 Used by the GPU tests and ``python -m bench.inspection.hlo_report`` to show that ``mla_q_kv_norm`` runs as
-one custom call with no slice or copy around it, and that ``fp8_linear`` becomes a vendor FP8
+one custom call with no slice or copy around it, and that ``linear`` (per-token FP8) becomes a vendor FP8
 GEMM (``__cublas$lt$matmul$f8``) instead of an upcast.
 """
 

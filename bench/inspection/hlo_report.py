@@ -30,19 +30,18 @@ def paths(tokens: int, k: int, n: int, impl: str):
     bf = jnp.bfloat16
     qkv = jax.random.normal(keys[0], (tokens, 2112), bf)
     wq, wkv = jnp.ones((1536,), bf), jnp.ones((512,), bf)
-    fp8 = kp.default_fp8_dtype()
+    fmt = kp.Fp8PerToken(kp.default_fp8_dtype())
     x = jax.random.normal(keys[1], (tokens, k), bf)
     w = jax.random.normal(keys[2], (k, n), bf) * 0.02
-    w8, ws = kp.quantize_weight_per_channel(w, fp8_dtype=fp8, w_layout="kn")
-    qa = kp.per_token_fp8_quant(x, fp8_dtype=fp8, impl="reference")
-    w8_nk, _ = kp.quantize_weight_per_channel(w, fp8_dtype=fp8, w_layout="nk")
+    qw_kn = kp.quantize_weight(w, fmt, layout="kn")
+    qw_nk = kp.quantize_weight(w, fmt, layout="nk")
+    qa = kp.quantize(x, fmt, impl="reference")
 
-    def linear(w_layout, precision=None, out_dtype=bf):
-        def fn(qa, w8, ws):
-            return kp.fp8_linear(qa, w8, ws, w_layout=w_layout, precision=precision,
-                                 out_dtype=out_dtype)
-        fn.f32_output = (lambda qa, w8, ws: kp.fp8_linear(  # for the accumulation error
-            qa, w8, ws, w_layout=w_layout, precision=precision, out_dtype=jnp.float32))
+    def linear(precision=None, out_dtype=bf):
+        def fn(qa, qw):
+            return kp.linear(qa, qw, precision=precision, out_dtype=out_dtype)
+        fn.f32_output = (lambda qa, qw: kp.linear(  # for the accumulation error
+            qa, qw, precision=precision, out_dtype=jnp.float32))
         return fn
 
     def sliced(a, wq, wkv):
@@ -53,22 +52,21 @@ def paths(tokens: int, k: int, n: int, impl: str):
         "mla_q_kv_norm_packed": (lambda a, wq, wkv: kp.mla_q_kv_norm(a, wq, wkv, impl=impl),
                                  (qkv, wq, wkv)),
         "mla_slice_then_fused": (sliced, (qkv, wq, wkv)),
-        "fp8_linear_w_kn": (linear("kn"), (qa, w8, ws)),
-        "fp8_linear_w_nk": (linear("nk"), (qa, w8_nk, ws)),
-        "fp8_linear_w_nk_highest": (linear("nk", lax.Precision.HIGHEST), (qa, w8_nk, ws)),
+        "fp8_linear_w_kn": (linear(), (qa, qw_kn)),
+        "fp8_linear_w_nk": (linear(), (qa, qw_nk)),
+        "fp8_linear_w_nk_highest": (linear(lax.Precision.HIGHEST), (qa, qw_nk)),
         "bf16_linear": (lambda x, w: x @ w, (x, w)),
     }
 
 
-def accumulation_error(out, qa, w8, ws, rows=64) -> float:
+def accumulation_error(out, qa, qw, rows=64) -> float:
     """``max |out - exact| / (|a| @ |w|)`` over ``rows`` rows, with ``exact`` the float64 product
     of the dequantized operands: the GEMM's accumulation error relative to the magnitude it
     accumulates (``out`` is the float32-output variant, so no output rounding is included)."""
     import numpy as np
 
     d = np.asarray(qa.data[:rows].astype(jnp.float32), np.float64) * np.asarray(qa.scale[:rows])
-    w = np.asarray(w8.astype(jnp.float32), np.float64)
-    w = (w if w.shape[0] == d.shape[1] else w.T) * np.asarray(ws, np.float64)
+    w = np.asarray(qw.dequantize(), np.float64)
     exact, mag = d @ w, np.abs(d) @ np.abs(w)
     return float(np.max(np.abs(np.asarray(out[:rows], np.float64) - exact) / mag))
 
