@@ -158,8 +158,7 @@ def cache_bytes(target: platform.Target) -> int:
 def rotation_sets(input_bytes: int, cache_bytes: int, max_sets: int = 32) -> int:
     """How many input sets to cycle: 3x the last-level cache, at most ``max_sets``. Below
     ``3 * cache_bytes / max_sets`` per set (about 6 MB on the H200: every decode case) the sets
-    fit in the cache together, and a call finds part of its inputs there (bench/NOTES.md,
-    tenth session)."""
+    fit in the cache together, and a call finds part of its inputs there (docs/performance.md)."""
     return int(min(max_sets, max(1, math.ceil(3 * cache_bytes / max(1, input_bytes)))))
 
 

@@ -1,4 +1,4 @@
-"""Checks shared by the public API and the FP8 option resolution."""
+"""Checks of static options shared by the public API and the format values."""
 
 from __future__ import annotations
 
@@ -32,3 +32,13 @@ def static_positive_float(name: str, value, low: float = F32_TINY, high: float =
         raise ValueError(f"{name}={value!r} is outside [{low:.6g}, {high:.6g}], the range it is "
                          "computed in (float32: smaller values become 0, larger ones overflow)")
     return value
+
+
+def static_int(name: str, value, minimum: int) -> int:
+    """A static integer option (any ``numbers.Integral``, not bool): TypeError for an array or a
+    traced value, ValueError for anything else (0, False, 2.0, ...)."""
+    if isinstance(value, (jax.Array, jax.core.Tracer)):
+        raise TypeError(f"{name} must be a Python int (a static option), got {type(value).__name__}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum} (a static option), got {value!r}")
+    return int(value)

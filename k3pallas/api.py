@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from k3pallas import fp8 as fp8_lib, formats, ops, platform
-from k3pallas._checks import FLOAT_DTYPES, static_positive_float
+from k3pallas._checks import FLOAT_DTYPES, static_int, static_positive_float
 from k3pallas.formats import Fp8PerToken, QuantizedActivation
 
 __all__ = ["rmsnorm", "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm_gated", "sigmoid_mul",
@@ -79,7 +79,7 @@ def _eps(op, name, eps) -> float:
 
 def _size(op, name, value, minimum) -> int:
     try:
-        return formats._static_int(name, value, minimum)
+        return static_int(name, value, minimum)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{op}: {e}") from None
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 from typing import ClassVar
 
 import jax
@@ -34,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from k3pallas import fp8 as fp8_lib
-from k3pallas._checks import static_positive_float
+from k3pallas._checks import static_int, static_positive_float
 
 __all__ = ["Format", "Fp8PerToken", "Mx", "FP8_PER_TOKEN", "MXFP8", "MXFP4", "FORMATS",
            "as_format", "QuantizedActivation", "QuantizedWeight", "LAYOUTS"]
@@ -111,16 +110,6 @@ def _check_arrays(data, scale):
                          f"shapes {tuple(data.shape)} and {tuple(scale.shape)}")
 
 
-def _static_int(name: str, value, minimum: int) -> int:
-    """A static integer option (any ``numbers.Integral``, not bool): TypeError for an array or a
-    traced value, ValueError for anything else (0, False, 2.0, ...)."""
-    if isinstance(value, (jax.Array, jax.core.Tracer)):
-        raise TypeError(f"{name} must be a Python int (a static option), got {type(value).__name__}")
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum} (a static option), got {value!r}")
-    return int(value)
-
-
 # ------------------------------------------------------------------------------------------------
 # Per-token FP8 (vLLM's dynamic per-token FP8)
 # ------------------------------------------------------------------------------------------------
@@ -171,7 +160,7 @@ class Fp8PerToken(Format):
             set_("min_scale", static_positive_float("min_scale", self.min_scale, high=SCALE_MAX))
         if self.scale_ub is not None:
             set_("scale_ub", static_positive_float("scale_ub", self.scale_ub))
-        set_("groups", _static_int("groups", self.groups, 1))
+        set_("groups", static_int("groups", self.groups, 1))
 
     def resolve(self, target) -> "Fp8PerToken":
         if self.dtype is None:

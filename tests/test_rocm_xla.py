@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists(ENV),
 def gate(tmp_path_factory):
     out = tmp_path_factory.mktemp("gate")
     code = rocm_check.main(["--env-dir", os.path.dirname(ENV), "--broken", "--check",
-                            "--tokens", "64", "--ops", "rmsnorm,rmsnorm_gated_fp8_per_token,per_token_fp8_quant",
+                            "--tokens", "64", "--ops", "rmsnorm,rmsnorm_gated_fp8_per_token,quantize_fp8_per_token",
                             "--no-programs", "--out", str(out)])
     with open(out / "rocm_check.json") as f:
         data = json.load(f)
@@ -72,7 +72,7 @@ def test_sharded_programs_on_the_8_gpu_topology(gate):
     assert {r["arch"] for r in rows} == set(rocm_check.ARCHS)
     assert {(r["sharded"], r["op"]) for r in rows} == {
         (m, op) for m in rocm_check.SHARDINGS
-        for op in ("rmsnorm", "rmsnorm_gated_fp8_per_token", "per_token_fp8_quant")}
+        for op in ("rmsnorm", "rmsnorm_gated_fp8_per_token", "quantize_fp8_per_token")}
     for r in rows:
         assert not rocm_check.problems(r), r
         assert r["target"] == f"rocm {r['arch']}" and r["threads"] <= 1024

@@ -6,8 +6,8 @@ registers for the 96 x 128 gated FP8 kernel where this gives 80; ``bench.inspect
 compiles with XLA's own CUDA backend instead, a closer estimate). For finding register-limited
 occupancy without a GPU: ``blocks per SM = 65536 / (registers x threads)``, at most 32.
 Not a predictor of speed: a store through a reshaped view that looked ideal here (16-byte loads,
-no shared memory) ran 2.6-4x slower as XLA's Triton compiled it on the H200 (bench/NOTES.md,
-the reverted ``store8`` code store, bench/NOTES.md).
+no shared memory) ran 2.6-4x slower as XLA's Triton compiled it on the H200 (docs/performance.md,
+the reverted code store).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 (for example Nsight Compute: ``ncu -k regex:k3pallas ... python -m bench.inspection.profile_cases ...``).
 Prints each case's launches. ``copy:OP:CONFIG:T`` runs the benchmark's copy ceiling of that
 case's bytes instead (its XLA xor kernel: ``ncu -k regex:xor``). Not part of the benchmark: a
-helper for bench/NOTES.md's profiles.
+helper for the profiles in docs/performance.md.
 """
 
 from __future__ import annotations

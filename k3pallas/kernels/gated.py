@@ -80,13 +80,18 @@ def _gated_kernel(x_ref, g_ref, *refs, n_rows, rows, heads, width, eps, activati
         return
     ys = [(index, mask, _gated_y(x, g, w, width=width, eps=eps, activation=activation, ftz=ftz))
           for index, mask, x, g in loaded]
+    _out(ys, out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant, mode=mode, bits=False)
+
+
+def _out(ys, out_refs, s_ref, *, quant, **kw):
+    """The float32 tiles ``ys`` [(index, mask, y)] stored in the output's dtype (``quant`` None),
+    or quantized per token (``row_scaled.epilogue``)."""
     if quant is None:
         (o_ref,) = out_refs
         for index, mask, y in ys:
             common.store(o_ref, index, y, mask)
         return
-    row_scaled.epilogue(ys, out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant, mode=mode,
-                        bits=False)
+    row_scaled.epilogue(ys, out_refs, s_ref, quant=quant, **kw)
 
 
 # The gated FP8 kernel's amax beside the norm for decode batches of up to 32 heads; the other
@@ -116,12 +121,7 @@ def _sigmoid_mul_kernel(x_ref, g_ref, *refs, n_rows, rows, width, quant, mode, f
         loaded.append((index, mask, common.load(x_ref, index, mask), common.load(g_ref, index, mask)))
     ys = [(index, mask, x.astype(jnp.float32) * common.act_fn(g.astype(jnp.float32), "sigmoid", ftz))
           for index, mask, x, g in loaded]
-    if quant is None:
-        (o_ref,) = out_refs
-        for index, mask, y in ys:
-            common.store(o_ref, index, y, mask)
-        return
-    row_scaled.epilogue(ys, out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant, mode=mode)
+    _out(ys, out_refs, s_ref, n_rows=n_rows, rows=rows, quant=quant, mode=mode)
 
 
 def _quant_kernel(x_ref, *refs, n_rows, rows, width, quant, mode, ftz):
