@@ -65,7 +65,7 @@ _FORMATS = {
 }
 FP8_DTYPES = tuple(_FORMATS)
 # MXFP4's element format (OCP e2m1: no infinity, no NaN; ml_dtypes and XLA convert NaN to 0x8).
-# Not an fp8_dtype: only the MX formats (``k3pallas.mx``) use it, through ``element_format``.
+# Not an fp8_dtype: only MXFP4 (``k3pallas.formats``) uses it, through ``element_format``.
 _E2M1 = ElementFormat(jnp.dtype(jnp.float4_e2m1fn), 2, 1, 1, 6.0, 6.0, True, 0x8)
 
 

@@ -4,22 +4,21 @@ A Pallas call inside ``jax.jit`` with sharded operands and no partitioning rule 
 by XLA's SPMD partitioner: every device gathers the whole input and computes all of it. Every
 kernel path of the public API goes through ``partitioned``, which tells XLA (Shardy, and GSPMD
 where a user turned Shardy off) how the op splits, so that each device runs the kernel on its
-own shard and nothing is gathered:
+own shard and nothing is gathered (the rules per op and format: ``k3pallas.ops``; docs/sharding.md):
 
 * leading (token) axes may be sharded freely: rows are independent;
-* the head axis of the gated ops may be sharded: heads are independent; the per-token FP8 scale
-  is then either local to a device's heads (``scale_groups`` a multiple of the head shards) or
-  one scale over several devices' heads (``scale_groups=1``): the kernel runs twice, first for
-  the per-row scale only, then an all-reduce max over the head shards, then the codes with
-  that scale (``jax.lax.pmax``; a NaN row stays NaN). See ``rmsnorm_gated_fp8_per_token``;
+* heads (the gated ops) and columns (the sigmoid-mul, the quantization) may be sharded. A
+  per-token FP8 scale is then local to a device's groups (``groups`` a multiple of the shards)
+  or one scale over several devices' columns (``groups=1``: a scale-only launch, an all-reduce
+  max, then the codes with that scale, ``fp8_over_shards``); a block-scaled format keeps each
+  block on one device (shards of whole blocks, the scales sharded alike);
 * the normalized axis (the last one of a norm, the head dim of the gated ops, the packed
   columns of ``mla_q_kv_norm``) may not be sharded: the op raises ValueError naming the axis and
-  the mesh axes. A cross-device sum of squares would cost an all-reduce per norm for a layout
-  no serving stack uses; shard the tokens or heads instead.
+  the mesh axes.
 
-Inside ``shard_map`` the ops see local arrays and need none of this (the scale then covers the
-heads the device holds). Rules are written like einsum: ``"... h d, d -> ... h d"``; ``...``
-stands for the leading axes, shared by every row operand and result.
+Inside ``shard_map`` the ops see local arrays and need none of this. Rules are written like
+einsum: ``"... h d, d -> ... h d"``; ``...`` stands for the leading axes, shared by every row
+operand and result.
 """
 
 from __future__ import annotations
@@ -249,7 +248,7 @@ def max_over(x, axes):
 def fp8_over_shards(launch, reduce_axes):
     """Per-token FP8 codes and scale of rows whose columns may be split over mesh ``reduce_axes``.
 
-    ``launch(mode=..., scale=...)`` runs a kernel's FP8 launch (``kernels.gated_fp8``). Without
+    ``launch(mode=..., scale=...)`` runs a kernel's FP8 launch (``kernels.gated``). Without
     reduce axes: one "dynamic" launch. With them: a "scale_only" launch (this device's columns),
     the maximum over the devices (``max_over``; the scale is monotone in the amax, so this is the
     scale of the whole row), then a "given_scale" launch for the codes.
