@@ -123,14 +123,16 @@ def store_blocks(piece: Piece, y, codes_ref, scale_ref, q):
 
 def outputs(lead_shape, width, q: common.Quant):
     """(output structs, poison values): code bytes ``[*lead, width / per_byte]`` and stored
-    scales ``[*lead, width / block]`` (``lead_shape``: the rows). Poison: a NaN code (one per
-    byte; MXFP4: 0xFF, -6, -6; the tests compare codes exactly) and the format's NaN scale."""
+    scales ``[*lead, width / block]`` (``lead_shape``: the rows). Poison: the element format's NaN
+    code (two per byte: 0xFF, -6, -6, which the tests compare exactly) and the format's NaN
+    scale."""
     fmt = q.fmt
     native = q.native and fmt.per_byte == 1
     codes = jax.ShapeDtypeStruct(tuple(lead_shape) + (width // fmt.per_byte,),
                                  fmt.dtype if native else jnp.uint8)
     scale = jax.ShapeDtypeStruct(tuple(lead_shape) + (width // fmt.block,), fmt.scale_store_dtype)
-    poison = float("nan") if native else (0x7F if fmt.per_byte == 1 else 0xFF)
+    poison = (float("nan") if native else
+              fp8_lib.element_format(fmt.dtype).nan_code if fmt.per_byte == 1 else 0xFF)
     return [codes, scale], [poison, fmt.scale_poison]
 
 
