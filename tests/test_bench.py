@@ -217,3 +217,17 @@ def test_beside_qkv_design_labels():
     for bad in ("4", "w", "wx", "w4+fast", "w4+"):
         with pytest.raises(SystemExit, match="--designs"):
             beside_qkv._design(bad)
+
+
+def test_ir_hashes_tell_a_kernel_change_from_a_rename(tmp_path):
+    """The refactoring check: the same tree gives the same hashes; a launch or IR change shows."""
+    from bench.inspection import ir_hashes
+
+    a = ir_hashes.hashes([1], ["rmsnorm", "quantize_mx"])
+    # rmsnorm, MXFP4 and MXFP8 (the encoder; on gfx950 also the native conversion) per arch
+    assert len(a) == 3 * 3 + 1 and ir_hashes.compare(a, a) == []
+    key = next(iter(a))
+    b = {**a, key: {**a[key], "num_warps": a[key]["num_warps"] * 2}}
+    assert ir_hashes.compare(a, b) == [f"{key}: num_warps differ"]
+    ir = "module @k3pallas_x {\n  tt.func public @k3pallas_x() loc(#loc1)\n}\n#loc1 = loc(\"f.py\":1:2)"
+    assert ir_hashes.normalized(ir, "k3pallas_x") == "module @kernel {\n  tt.func public @kernel()\n}"
