@@ -208,11 +208,10 @@ def call(name: str, impl, arrays, options: dict, *, fmt, fp8_cast, target: platf
     op = OPS[name]
     impl = resolve_impl(impl, name, target)
     ref = functools.partial(op.reference, fmt=fmt, **options)
-    outs = jax.eval_shape(ref, *arrays)
     if fmt is not None:  # what the kernels cannot index is refused whatever the implementation
         from k3pallas.kernels import common
 
-        for out in jax.tree_util.tree_leaves(outs):
+        for out in jax.tree_util.tree_leaves(jax.eval_shape(ref, *arrays)):
             try:
                 common.check_offsets(out.shape, out.dtype)
             except ValueError as e:
@@ -226,7 +225,8 @@ def call(name: str, impl, arrays, options: dict, *, fmt, fp8_cast, target: platf
         return inference_only(name, ref, *arrays)
     lead = arrays[0].shape[:arrays[0].ndim - 1]
     if math.prod(lead) == 0:
-        return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), outs)
+        return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                      jax.eval_shape(ref, *arrays))
     from k3pallas import kernels
     from k3pallas.kernels import hooks
 
