@@ -125,15 +125,17 @@ def _plan(op, rule: Rule, mesh, arg_shapes, *, strict: bool):
     main = ins[0]
     n_lead = arg_shapes[0].ndim - (len(main) - 1)
     lead = _spec_of(arg_shapes[0].sharding, arg_shapes[0].ndim)[:n_lead]
-    factors, source = {}, {}
+    factors, source, size = {}, {}, {}
     for i, (shape, tensor) in enumerate(zip(arg_shapes, ins)):
         if tensor[0] != "...":
             continue  # weights: replicated, their sharding does not decide anything
-        named = _spec_of(shape.sharding, shape.ndim)[shape.ndim - (len(tensor) - 1):]
-        for f, s in zip(tensor[1:], named):
+        first = shape.ndim - (len(tensor) - 1)
+        named = _spec_of(shape.sharding, shape.ndim)[first:]
+        for f, s, n in zip(tensor[1:], named, shape.shape[first:]):
             if s is not None:
                 factors.setdefault(f, s)
                 source.setdefault(f, i)
+                size.setdefault(f, n)
     for f, what in rule.fixed:
         if strict and factors.get(f) is not None:
             raise normalized_axis_error(op, rule.describe(what, source[f]), factors[f])
@@ -142,8 +144,7 @@ def _plan(op, rule: Rule, mesh, arg_shapes, *, strict: bool):
         whole = {f: (unit, what) for f, unit, what in rule.split_whole}
         sizes = dict(mesh.shape)
         for f, axes in factors.items():
-            i, tensor = source[f], ins[source[f]]
-            dim = arg_shapes[i].shape[arg_shapes[i].ndim - (len(tensor) - 1) + tensor.index(f) - 1]
+            i, dim = source[f], size[f]
             shards = math.prod(sizes[ax] for ax in (axes if isinstance(axes, tuple) else (axes,)))
             unit, what = whole.get(f, (1, f"axis {f!r} of {{}}"))
             if dim % shards or (dim // shards) % unit:
