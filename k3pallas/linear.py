@@ -97,8 +97,9 @@ def linear(qa: QuantizedActivation, qw: QuantizedWeight, *, out_dtype=jnp.bfloat
       qw: the ``QuantizedWeight`` of ``quantize_weight`` for the same format (the same element
         dtype; its layout travels with it), standing for ``w [K, N]``.
       out_dtype: float16, bfloat16 (default) or float32.
-      precision: per-token FP8 only: passed to ``dot_general`` (XLA maps it onto the FP8 GEMM's
-        accumulation mode).
+      precision: per-token FP8 only (ValueError with an MX format): passed to ``dot_general``
+        (XLA maps it onto the FP8 GEMM's accumulation mode); ``impl="reference"`` computes at
+        ``Precision.HIGHEST`` whatever is given.
       impl: "auto": the vendor path (per-token FP8: ``dot_general`` on the fp8 operands; MX:
         ``jax.nn.scaled_matmul`` on a GPU target, the reference elsewhere: it has no CPU
         lowering); "reference": the dequantized operands' float32 dot (``Precision.HIGHEST``).
@@ -123,6 +124,9 @@ def linear(qa: QuantizedActivation, qw: QuantizedWeight, *, out_dtype=jnp.bfloat
         raise TypeError(f"{op}: out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
     if impl not in ("auto", "reference"):
         raise ValueError(f"{op}: impl must be 'auto' or 'reference', got {impl!r}")
+    if precision is not None and qa.format.block is not None:
+        raise ValueError(f"{op}: precision applies to per-token FP8 (dot_general); "
+                         f"jax.nn.scaled_matmul takes none for {qa.format.name}")
     lead = data.shape[:-1]
     if impl == "reference":
         a = qa.dequantize().reshape(-1, k)

@@ -149,10 +149,18 @@ def test_linear_errors(rng):
         (lambda: kp.linear(q4, w4, out_dtype=jnp.int8), TypeError, "out_dtype"),
         (lambda: kp.linear((f8.data, f8.scale), wf8), TypeError, "qa must be a QuantizedActivation"),
         (lambda: kp.linear(f8, (wf8.data, wf8.scale)), TypeError, "qw must be a QuantizedWeight"),
+        (lambda: kp.linear(q4, w4, precision=jax.lax.Precision.HIGHEST), ValueError,
+         "precision applies to per-token FP8"),
     ]
     for call, err, match in bad:
         with pytest.raises(err, match=f"linear: {match}"):
             call()
+    # precision reaches dot_general: jax refuses a bad value, accepts a good one.
+    with pytest.raises(ValueError, match="Precision argument must be"):
+        kp.linear(f8, wf8, precision="bogus")
+    np.testing.assert_array_equal(
+        np.asarray(kp.linear(f8, wf8, precision=jax.lax.Precision.HIGHEST, out_dtype=jnp.float32)),
+        np.asarray(kp.linear(f8, wf8, out_dtype=jnp.float32)))
 
 
 SMALL = dataclasses.replace(kimi_k3.KIMI_K3, hidden=256, mla_heads=4, kda_heads=6)
