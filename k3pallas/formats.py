@@ -35,7 +35,8 @@ from jax import lax
 from k3pallas import fp8 as fp8_lib
 from k3pallas._checks import static_int, static_positive_float
 
-__all__ = ["Format", "Fp8PerToken", "Mx", "FP8_PER_TOKEN", "MXFP8", "MXFP4", "FORMATS",
+__all__ = ["Format", "Fp8PerToken", "Mx", "Fp8Group", "FP8_PER_TOKEN", "MXFP8", "MXFP4",
+           "FP8_GROUP128", "FP8_GROUP128_UE8M0", "FORMATS",
            "as_format", "QuantizedActivation", "QuantizedWeight", "LAYOUTS"]
 
 
@@ -297,6 +298,10 @@ class Mx(Format):
         code = self.scale_code(amax, nonfinite)
         return code, inv_scale(code)
 
+    def scaled(self, y, stored, inv, *, branch: bool = False):
+        """``y / scale`` as ``y`` times the exact reciprocal (a power of two)."""
+        return y * inv
+
     def scale_from_stored(self, stored):
         return as_e8m0(stored)
 
@@ -346,10 +351,259 @@ def unpack_fp4(packed, n):
     return f4.reshape(packed.shape[:-1] + (n,))
 
 
+# ------------------------------------------------------------------------------------------------
+# Group-scaled FP8 (1 x 128): the activations of the DeepSeek-V3 / Kimi-K2 / Qwen3 FP8 checkpoints
+# ------------------------------------------------------------------------------------------------
+
+GROUP_EPS = 1e-10  # vLLM's per_token_group_quant_fp8 floor on a group's amax
+EPS_MIN_RATIO = 2.0**-100  # eps >= fp8_max * this: scales >= 2**-100 (div_by_constant's domain)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Group(Format):
+    """FP8 with one float32 scale per group of 128 contiguous elements of a row (vLLM's
+    ``per_token_group_quant_fp8``, DeepSeek's ``act_quant``). Per group:
+
+    * ``s = max(amax, eps) / fp8_max`` (the float32 quotient, as IEEE division gives it);
+      ``ue8m0``: ``s = 2**ceil(log2(s))``, the smallest power of two with ``amax / s <= fp8_max``
+      (the ``scale_fmt: ue8m0`` checkpoints);
+    * ``data = round_to_nearest_even(y / s)`` onto the FP8 grid, of the exact quotient (one
+      rounding); ``|y / s| <= fp8_max`` by construction, so nothing saturates;
+    * a group holding NaN or inf gets a NaN scale and NaN codes; no other group changes.
+
+    No float32 division is trusted (GPU division is not always IEEE): the scale comes from a
+    multiplication by ``1 / fp8_max`` corrected with an exact residual (``div_by_constant``), or
+    for UE8M0 from integer operations on the bits; the codes from ``y`` times the reciprocal of
+    the scale, corrected where that product lies within a few ulp of a rounding midpoint by the
+    exact sign of ``|y| - midpoint * s`` (``exact_quotient``). A UE8M0 reciprocal is exact.
+
+    Fields (None: the default, filled by ``resolve`` for the target):
+      dtype: ``float8_e4m3fn``, ``float8_e4m3fnuz`` or ``float8_e5m2``; default by device
+        (e4m3fnuz on gfx94x, e4m3fn elsewhere).
+      fp8_max: a value of the element format from 4 up (448 e4m3fn, 224 e4m3fnuz as vLLM (240:
+        AITER), 57344 e5m2).
+      eps: the floor on a group's amax (default 1e-10, vLLM's; DeepSeek's inference code uses
+        1e-4); at least ``fp8_max * 2**-100`` (scales stay where the exact arithmetic holds).
+      ue8m0: power-of-two scales (default False).
+    """
+
+    dtype: object = None
+    fp8_max: float | None = None
+    eps: float = GROUP_EPS
+    ue8m0: bool = False
+
+    block: ClassVar[int] = 128
+    per_byte: ClassVar[int] = 1
+    # What a kernel's block epilogue needs: scales stored as float32, NaN marks an unwritten one.
+    scale_store_dtype: ClassVar = jnp.dtype(jnp.float32)
+    scale_poison: ClassVar[float] = float("nan")
+
+    @property
+    def name(self) -> str:
+        return "fp8_group128_ue8m0" if self.ue8m0 else "fp8_group128"
+
+    def __post_init__(self):
+        set_ = functools.partial(object.__setattr__, self)
+        if self.dtype is not None:
+            set_("dtype", fp8_lib.fp8_format(self.dtype).dtype)
+        if self.fp8_max is not None:
+            set_("fp8_max", static_positive_float("fp8_max", self.fp8_max, low=FP8_MAX_MIN))
+            if self.dtype is not None:
+                _check_grid_max(self.fp8_max, self.dtype)
+        set_("eps", static_positive_float("eps", self.eps))
+        if not isinstance(self.ue8m0, bool):
+            raise TypeError(f"ue8m0 must be a bool, got {type(self.ue8m0).__name__}")
+
+    def resolve(self, target) -> "Fp8Group":
+        if self.dtype is None:
+            return self.bind(fp8_lib.default_fp8_dtype(target))
+        return self.bind(self.dtype)
+
+    def bind(self, dtype) -> "Fp8Group":
+        if self.dtype is None and jnp.dtype(dtype) not in fp8_lib.FP8_DTYPES:
+            raise TypeError(f"{self.name} data must have an fp8 dtype, got {jnp.dtype(dtype).name}")
+        dtype = jnp.dtype(dtype) if self.dtype is None else self.dtype
+        fp8_max = fp8_lib.fp8_format(dtype).default_max if self.fp8_max is None else self.fp8_max
+        _check_grid_max(fp8_max, dtype)
+        if self.eps < fp8_max * EPS_MIN_RATIO:
+            raise ValueError(f"eps={self.eps} is below fp8_max * 2**-100 "
+                             f"({fp8_max * EPS_MIN_RATIO:g}), where the exact scale arithmetic "
+                             "(div_by_constant) stops")
+        return dataclasses.replace(self, dtype=dtype, fp8_max=fp8_max)
+
+    @property
+    def scale_dtype(self):
+        return jnp.dtype(jnp.float32)
+
+    def scale_groups(self, n: int) -> int:
+        return n // self.block
+
+    def check_width(self, n: int, what: str) -> None:
+        if n % self.block:
+            raise ValueError(f"{self.name} scales groups of {self.block} elements, which may not "
+                             f"cross {what}: its size ({n}) must be a multiple of {self.block}")
+
+    def _per_scale(self, n):
+        return f"one per group of {self.block}"
+
+    def check_record(self, data, scale) -> None:
+        _check_arrays(data, scale)
+        if jnp.dtype(data.dtype) not in fp8_lib.FP8_DTYPES:
+            raise TypeError(f"{self.name} data must have an fp8 dtype, got "
+                            f"{jnp.dtype(data.dtype).name}")
+        super().check_record(data, scale)
+
+    # -- the scale and the codes (jnp: the reference and the kernels' block epilogue) ----------
+    def block_scale(self, amax, nonfinite):
+        """(float32 scale, float32 reciprocal) per group of maxima ``amax >= 0``; NaN where
+        ``nonfinite``. The UE8M0 reciprocal is exact; the other one approximate (``scaled``
+        corrects the codes)."""
+        a = jnp.maximum(amax, self.eps)
+        if self.ue8m0:
+            code = pow2_ceil_code(a, self.fp8_max)
+            scale = lax.bitcast_convert_type(code << 23, jnp.float32)
+            inv = lax.bitcast_convert_type((254 - code) << 23, jnp.float32)
+        else:
+            scale = div_by_constant(a, self.fp8_max)
+            inv = 1.0 / scale
+        return jnp.where(nonfinite, jnp.nan, scale), jnp.where(nonfinite, jnp.nan, inv)
+
+    def scaled(self, y, scale, inv, *, branch: bool = False):
+        """float32 values whose round-to-nearest-even onto the element grid is the code of
+        ``y / scale`` (``scale``, ``inv`` broadcast against ``y``). ``branch``: correct only
+        where some element of the tile needs it (one ``lax.cond``: the kernels)."""
+        q = y * inv
+        if self.ue8m0:
+            return q
+        return exact_quotient(y, q, scale, self.dtype, branch=branch)
+
+    def scale_from_stored(self, stored):
+        return stored
+
+    def quantize(self, y):
+        y = y.astype(jnp.float32)
+        g = y.reshape(y.shape[:-1] + (y.shape[-1] // self.block, self.block))
+        amax = jnp.max(jnp.abs(g), axis=-1)
+        nonfinite = ~jnp.all(jnp.isfinite(g), axis=-1)  # explicit: XLA's CPU max drops NaN
+        scale, inv = self.block_scale(amax, nonfinite)
+        v = self.scaled(g, scale[..., None], inv[..., None])
+        return v.astype(self.dtype).reshape(y.shape), scale
+
+
+def _check_grid_max(fp8_max, dtype):
+    _check_fp8_max(fp8_max, dtype)
+    if float(np.array(fp8_max, np.float32).astype(dtype).astype(np.float64)) != fp8_max:
+        raise ValueError(f"fp8_max={fp8_max} must be a value of {jnp.dtype(dtype).name} (the "
+                         "group formats round every code exactly onto that grid)")
+
+
+def _bits(x):
+    return lax.bitcast_convert_type(x, jnp.int32)
+
+
+def _float(b):
+    return lax.bitcast_convert_type(b, jnp.float32)
+
+
+_HI_MASK = -4096  # keeps a float32's sign, exponent and top 11 mantissa bits
+
+
+def _split(x):
+    """``x = hi + lo`` exactly, each with at most 12 significant bits (float32 ``x``)."""
+    hi = _float(_bits(x) & _HI_MASK)
+    return hi, x - hi
+
+
+def _residual(a, q, c: float):
+    """``a - q * c`` exactly, for float32 ``a``, ``q`` with ``q * c`` within ``2**-11`` of ``a``
+    relative and a constant ``c`` of at most 12 significant bits: ``q = hi + lo`` (12 bits
+    each), so ``hi * c`` and ``lo * c`` are exact, ``a - hi * c`` is exact (Sterbenz), and so is
+    the last difference (its operands' bits fit in 24)."""
+    hi, lo = _split(q)
+    return (a - hi * c) - lo * c
+
+
+def div_by_constant(a, c: float):
+    """``fl(a / c)``, the IEEE float32 quotient, for float32 ``a >= c * 2**-100`` (NaN passes) and a
+    Python float ``c`` with at most 12 significant bits (fp8_max), without a division: ``a``
+    times ``fl(1 / c)``, one correction by the exact residual (within about half an ulp), then
+    the exact choice among that float and its neighbours by the residual against the half-ulp
+    points (ties to even)."""
+    r = float(np.float32(1.0 / c))
+    q = a * r
+    q = q + _residual(a, q, c) * r
+    d = _residual(a, q, c)
+    qb = _bits(q)
+    half_up = _float((qb & 0x7F800000) - (24 << 23))  # half an ulp of q (q >= 2**-100)
+    half_down = jnp.where((qb & 0x7FFFFF) == 0, half_up * 0.5, half_up)  # below a power of two
+    odd = (qb & 1) == 1
+    up_c, down_c = half_up * c, half_down * c  # exact: powers of two times c
+    up = (d > up_c) | ((d == up_c) & odd)
+    down = (-d > down_c) | ((-d == down_c) & odd)
+    return _float(qb + jnp.where(up, 1, jnp.where(down, -1, 0)))
+
+
+def pow2_ceil_code(a, c: float):
+    """The biased exponent (int32) of ``2**ceil(log2(fl(a / c)))`` for normal float32 ``a > 0``
+    and a Python float ``c`` >= 4 of at most 12 significant bits, with integer operations only:
+    ``fl(a / c)`` is a power of two iff the mantissas are equal, above ``2**(e_a - e_c)`` iff
+    ``a``'s mantissa is the larger (``fl`` cannot round a quotient above a power of two onto it,
+    nor one below it beneath the next lower power). Tested against the float rule."""
+    cb = int(np.float32(c).view(np.uint32))
+    e_c, m_c = cb >> 23, cb & 0x7FFFFF
+    b = _bits(a)
+    return (b >> 23) - e_c + 127 + jnp.where((b & 0x7FFFFF) > m_c, 1, 0)
+
+
+# The kernels' product y * (1 / s) is within a few float32 ulp of y / s (a GPU reciprocal is not
+# always IEEE: PTX's div.full.f32 errs by up to 2 ulp); products farther than this from a
+# rounding midpoint round as the exact quotient does.
+_NEAR_ULPS = 8
+
+
+def exact_quotient(y, q, s, dtype, *, branch: bool = False):
+    """float32 values that round (to nearest even, onto ``dtype``'s grid) as the exact ``y / s``
+    does, from ``q``, an approximation of it within ``_NEAR_ULPS`` ulp.
+
+    Only a ``q`` near a midpoint between grid neighbours needs work: that midpoint ``m`` (read
+    off ``q``'s bits; a subnormal ``q`` is first moved into the lowest normal binade by adding
+    the smallest normal, which has the same grid step there), then the exact sign of
+    ``|y| - m * s`` (``s = hi + lo``, 12 bits each; ``m`` has at most 5, so both products are
+    exact, and the differences are exact or far from zero) says on which side the quotient lies:
+    ``q`` is moved to ``m``'s float32 neighbour on that side, or onto ``m`` for a tie. ``q``
+    farther from every midpoint is kept. ``branch``: the correction runs only when some element
+    of the tile is near a midpoint (one ``lax.cond``; the kernels, where it is rare)."""
+    fmt = fp8_lib.element_format(dtype)
+    shift = 23 - fmt.man_bits
+    low_mask, half = (1 << shift) - 1, 1 << (shift - 1)
+    min_normal = float(2.0 ** (1 - fmt.bias))
+    aq = jnp.abs(q)
+    sub = aq < min_normal
+    zb = _bits(jnp.where(sub, aq + min_normal, aq))
+    near = ((zb - (half - _NEAR_ULPS)) & low_mask) <= 2 * _NEAR_ULPS
+
+    def correct(q):
+        aq = jnp.abs(q)
+        m = _float((zb & ~low_mask) | half)
+        m = jnp.where(sub, m - min_normal, m)
+        hi, lo = _split(s)
+        d = (jnp.abs(y) - m * hi) - m * lo
+        mb = _bits(m)
+        v = jnp.where(d > 0, jnp.where(aq > m, aq, _float(mb + 1)),
+                      jnp.where(d == 0, m, jnp.where(aq >= m, _float(mb - 1), aq)))
+        return jnp.where(_bits(q) < 0, -v, v)
+
+    if not branch:
+        return jnp.where(near, correct(q), q)
+    return lax.cond(jnp.max(near.astype(jnp.int32)) > 0, correct, lambda q: q, q)
+
+
 FP8_PER_TOKEN = Fp8PerToken()
 MXFP8 = Mx("mxfp8", jnp.dtype(jnp.float8_e4m3fn), 448.0, 1)
 MXFP4 = Mx("mxfp4", jnp.dtype(jnp.float4_e2m1fn), 6.0, 2)
-FORMATS = {f.name: f for f in (FP8_PER_TOKEN, MXFP8, MXFP4)}
+FP8_GROUP128 = Fp8Group()
+FP8_GROUP128_UE8M0 = Fp8Group(ue8m0=True)
+FORMATS = {f.name: f for f in (FP8_PER_TOKEN, MXFP8, MXFP4, FP8_GROUP128, FP8_GROUP128_UE8M0)}
 
 
 def as_format(value) -> Format:

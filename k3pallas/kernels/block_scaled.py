@@ -1,13 +1,13 @@
 """Block-scaled outputs (a scale per block of ``fmt.block`` contiguous elements of a row: MXFP8,
-MXFP4; ``formats.Mx``): the tiles, the block epilogue and the block kernels, one launch each,
+MXFP4, ``formats.Mx``; group-scaled FP8, ``formats.Fp8Group``): the tiles, the block epilogue and the block kernels, one launch each,
 ``R`` rows per program.
 
 A row's columns are read as blocks: ``[R, b, block]`` tiles, or ``[R, b, block / 2, 2]`` for
 two elements per byte (the pair axis: the two elements of a code byte), over power-of-two pieces
 of the block axis (1536 columns: 32 + 16 blocks of 32). Blocks are independent, so a kernel row
 is a head (gated) or at most 64 blocks of a token (quantize, sigmoid-mul): a wide token spreads
-over programs. Per block: ``amax``, the scale and its exact reciprocal from the format
-(``fmt.block_scale``), the codes (integer encoder, or the native cast where ``fp8_cast`` decided
+over programs. Per block: ``amax``, the scale and its reciprocal from the format
+(``fmt.block_scale``), the values to round (``fmt.scaled``: exact), the codes (integer encoder, or the native cast where ``fp8_cast`` decided
 it), and for two per byte the two nibbles, element ``2j`` low. Codes and scales are stored as
 bytes; the results present them as the format's element and scale arrays (bitcasts). The
 normalized or gated values never go through memory. ``q``: a ``common.Quant`` of a block format.
@@ -106,7 +106,8 @@ def block_codes(y, q: common.Quant):
     # NaN: the sum keeps it (Triton's max drops it); infinity: the max keeps it.
     nonfinite = (total != total) | (amax == jnp.inf)
     stored, inv = fmt.block_scale(amax, nonfinite)
-    v = y * inv[(Ellipsis,) + (None,) * trail]
+    per_element = (Ellipsis,) + (None,) * trail
+    v = fmt.scaled(y, stored[per_element], inv[per_element], branch=True)
     if q.native:
         return fp8_cast.native_codes(v, fmt.dtype), stored
     c = fp8_lib.encode_fp8(v, fmt.dtype)
