@@ -3,12 +3,13 @@ with an output format: its model shapes, example arguments, unfused form and byt
 the integration path that is not an op (the KDA output with its FP8 o_proj). The benchmark, the
 tuning sweep, the ROCm gate and the generic API tests read it; the runtime does not.
 
-``OPS[name]``: a ``BenchOp``, named ``op`` (unquantized), ``op_fp8_per_token`` or ``op_mx`` (MXFP8
-or MXFP4 by its config), with
+``OPS[name]``: a ``BenchOp``, named ``op`` (unquantized), ``op_fp8_per_token``, ``op_mx`` (MXFP8
+or MXFP4 by its config) or ``op_fp8_group`` (``fp8_group128`` or ``fp8_group128_ue8m0`` by its
+config), with
 
 * ``sizes``: named problem sizes: the model configs the benchmark, the sweep and the gate run it
   on (the first is the headline), and ``"test"``, small sizes for the generic API tests; an MX
-  size names its format (``fmt``);
+  size of the MX or group family names its format (``fmt``);
 * ``example(tokens, dtype, **size)``: its arguments as ``ShapeDtypeStruct``s and its options
   (``out_format`` among them where it has one);
 * ``unfused``: the same results from other ops, the benchmark's "unfused" variant (or None).
@@ -32,7 +33,7 @@ S = jax.ShapeDtypeStruct
 @dataclasses.dataclass(frozen=True)
 class BenchOp:
     op: str  # the op (k3pallas.ops.OPS)
-    family: str | None  # None, "fp8_per_token" or "mx"
+    family: str | None  # None, "fp8_per_token", "mx" or "fp8_group"
     sizes: Mapping[str, dict]
     example: Callable  # (tokens, dtype, **size) -> (tuple of ShapeDtypeStruct, options dict)
     unfused: Callable | None = None  # (impl, *arrays, **options) -> the op's results
@@ -43,8 +44,9 @@ class BenchOp:
 
     @property
     def fp8(self) -> bool:
-        """Writes per-token FP8 (both FP8 conversion paths apply)."""
-        return self.family == "fp8_per_token"
+        """Writes FP8 elements with a float32 scale, per token or per group (both FP8 conversion
+        paths apply)."""
+        return self.family in ("fp8_per_token", "fp8_group")
 
     @property
     def mx(self) -> bool:
@@ -85,6 +87,7 @@ _MLA_OUT = {"kimi-k3-mla-out-tp8": dict(n=12 * 128),  # one rank of TP8
             "kimi-k3-mla-out": dict(n=96 * 128)}
 _QKV_SIZES = {**_MLA, "test": dict(dq=64, dkv=16, rope=3)}
 _FP8 = "fp8_per_token"
+_GROUP = ("fp8_group128", "fp8_group128_ue8m0")
 
 
 def _qkv_example(t, dt, dq, dkv, rope):
@@ -114,9 +117,9 @@ def _formatted(example, fmt=None):
 
 
 def _quantized(y, fmt, impl):
-    """``y`` quantized to ``fmt``: per token by the k3pallas kernel (a second launch); MX by
-    jax's own MX quantization compiled by XLA."""
-    if fmt == _FP8:
+    """``y`` quantized to ``fmt``: per token or per group by the k3pallas kernel (a second
+    launch); MX by jax's own MX quantization compiled by XLA."""
+    if fmt in (_FP8, *_GROUP):
         return kp.quantize(y, fmt, impl=impl)
     from k3pallas import _compat
 
@@ -143,8 +146,8 @@ def _sigmoid_mul_unfused(impl, x, g, out_format):
 
 
 def _mx_sizes(base: dict, formats_=("mxfp4",), extra=()) -> dict:
-    """MX configs: ``<config>-<format>`` for each base config and format (MXFP4 first: the MI355X
-    o_proj route)."""
+    """Configs naming their format: ``<config>-<format>`` for each base config and format (MX:
+    MXFP4 first, the MI355X o_proj route)."""
     sizes = {f"{name}-{fmt}": dict(size, fmt=fmt) for fmt in formats_ for name, size in base.items()}
     sizes.update({f"{name}-{fmt}": dict(base[name], fmt=fmt) for name, fmt in extra})
     return sizes
@@ -200,6 +203,30 @@ _CASES = [
     BenchOp("mla_q_kv_norm", "mx", {**_mx_sizes(_MLA), "test": dict(dq=64, dkv=16, rope=3, fmt="mxfp4")},
             _formatted(_packed_example), unfused=_q_unfused(kp.mla_q_kv_norm)),
     BenchOp("rmsnorm", "mx", {**_mx_sizes({"deepseek-v3-mla": dict(d=1536)}), "test": dict(d=64, fmt="mxfp4")},
+            _formatted(lambda t, dt, d: ((S((t, d), dt), S((d,), dt)), {})),
+            unfused=lambda impl, x, w, out_format: _quantized(kp.rmsnorm(x, w, impl=impl),
+                                                               out_format, impl)),
+    # Group-scaled FP8 (fp8_group128 / fp8_group128_ue8m0 by the config), at the per-token cases'
+    # shapes (the comparison the format is held to); unfused: the op's bf16 result, then the
+    # k3pallas group quantization.
+    BenchOp("rmsnorm_gated", "fp8_group", {**_mx_sizes(_KDA, _GROUP),
+                                           "test": dict(heads=3, dim=128, fmt=_GROUP[0])},
+            _formatted(_gated_example), unfused=_gated_unfused),
+    BenchOp("quantize", "fp8_group", {**_mx_sizes({"kimi-linear-kda": dict(n=32 * 128)}, _GROUP),
+                                      "test": dict(n=384, fmt=_GROUP[1])},
+            _formatted(_cols_example(1)),
+            unfused=lambda impl, x, out_format: _quantized(x, out_format, impl)),
+    BenchOp("sigmoid_mul", "fp8_group", {**_mx_sizes(_MLA_OUT, _GROUP),
+                                         "test": dict(n=256, fmt=_GROUP[0])},
+            _formatted(_cols_example(2)), unfused=_sigmoid_mul_unfused),
+    BenchOp("fused_q_kv_rmsnorm", "fp8_group",
+            {**_mx_sizes(_MLA, _GROUP), "test": dict(dq=128, dkv=16, rope=3, fmt=_GROUP[1])},
+            _formatted(_qkv_example), unfused=_q_unfused(kp.fused_q_kv_rmsnorm)),
+    BenchOp("mla_q_kv_norm", "fp8_group",
+            {**_mx_sizes(_MLA, _GROUP), "test": dict(dq=256, dkv=16, rope=3, fmt=_GROUP[0])},
+            _formatted(_packed_example), unfused=_q_unfused(kp.mla_q_kv_norm)),
+    BenchOp("rmsnorm", "fp8_group", {**_mx_sizes({"deepseek-v3-mla": dict(d=1536)}, _GROUP),
+                                     "test": dict(d=128, fmt=_GROUP[1])},
             _formatted(lambda t, dt, d: ((S((t, d), dt), S((d,), dt)), {})),
             unfused=lambda impl, x, w, out_format: _quantized(kp.rmsnorm(x, w, impl=impl),
                                                                out_format, impl)),

@@ -107,7 +107,7 @@ def block_codes(y, q: common.Quant):
     nonfinite = (total != total) | (amax == jnp.inf)
     stored, inv = fmt.block_scale(amax, nonfinite)
     per_element = (Ellipsis,) + (None,) * trail
-    v = fmt.scaled(y, stored[per_element], inv[per_element], branch=True)
+    v = fmt.scaled(y, stored[per_element], inv[per_element])
     if q.native:
         return fp8_cast.native_codes(v, fmt.dtype), stored
     c = fp8_lib.encode_fp8(v, fmt.dtype)
