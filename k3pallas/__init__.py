@@ -9,7 +9,8 @@ The public API (``import k3pallas as kp``); each op function takes its output fo
 * ``quantize_weight`` and ``linear``: the matmul that consumes a quantized activation;
 * ``rmsnorm_gated_fp8_per_token`` and ``per_token_fp8_quant``: the seed system's names, as
   shorthands for the per-token FP8 format;
-* the formats (``Fp8PerToken``, ``MXFP8``, ``MXFP4``) and records (``QuantizedActivation``,
+* the formats (``Fp8PerToken``, ``MXFP8``, ``MXFP4``, ``Fp8Group``: ``FP8_GROUP128``,
+  ``FP8_GROUP128_UE8M0``) and records (``QuantizedActivation``,
   ``QuantizedWeight``); ``default_fp8_dtype``, the ``FP8_*_MAX`` constants; ``current_target``
   and ``compiling_for`` (the device kernels are built for); ``fp8_cast_decisions()``.
 
@@ -31,8 +32,8 @@ from k3pallas.fp8 import (
     FP8_E5M2_MAX,
     default_fp8_dtype,
 )
-from k3pallas.formats import (MXFP4, MXFP8, Fp8PerToken, QuantizedActivation,
-                              QuantizedWeight)
+from k3pallas.formats import (FP8_GROUP128, FP8_GROUP128_UE8M0, MXFP4, MXFP8, Fp8Group,
+                              Fp8PerToken, QuantizedActivation, QuantizedWeight)
 from k3pallas.kernels.fp8_cast import decisions as fp8_cast_decisions
 from k3pallas.linear import linear, quantize_weight
 from k3pallas.platform import compiling_for, current_target
@@ -40,7 +41,8 @@ from k3pallas.platform import compiling_for, current_target
 __version__ = "0.1.0"
 
 __all__ = [
-    *_api_all, "quantize_weight", "linear", "Fp8PerToken", "MXFP8", "MXFP4",
+    *_api_all, "quantize_weight", "linear", "Fp8PerToken", "MXFP8", "MXFP4", "Fp8Group",
+    "FP8_GROUP128", "FP8_GROUP128_UE8M0",
     "QuantizedActivation", "QuantizedWeight", "default_fp8_dtype", "current_target",
     "compiling_for", "fp8_cast_decisions", "FP8_E4M3FN_MAX", "FP8_E4M3FNUZ_MAX",
     "FP8_E4M3FNUZ_MAX_AITER", "FP8_E5M2_MAX", "formats", "reference",

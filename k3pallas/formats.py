@@ -561,9 +561,8 @@ def exact_quotient(y, q, s, dtype):
     of ``s`` that a GPU may compute inexactly: PTX's ``div.full.f32`` errs by up to 2 ulp).
 
     The exact quotient lies in ``q``'s grid cell or next to it, so one midpoint decides: ``m``,
-    the midpoint above the grid point at or below ``|q|`` (read off ``q``'s bits; a subnormal
-    ``q`` is first moved into the lowest normal binade by adding the smallest normal, which has
-    the same grid step there). The sign of ``|y| - m * s`` is exact: ``s = hi + lo`` (12 bits
+    the midpoint above the grid point at or below ``|q|`` (read off ``q``'s bits; below the
+    smallest normal, where the grid step is constant, by a floor). The sign of ``|y| - m * s`` is exact: ``s = hi + lo`` (12 bits
     each) and ``m`` has at most 5, so both products are exact, and the differences are exact or
     far from zero. ``m``'s float32 neighbour on that side (``m`` itself for a tie) then rounds as
     the quotient does. About 18 more instructions per element than a power-of-two scale's
@@ -572,9 +571,10 @@ def exact_quotient(y, q, s, dtype):
     shift = 23 - fmt.man_bits
     low_mask, half = (1 << shift) - 1, 1 << (shift - 1)
     min_normal = float(2.0 ** (1 - fmt.bias))
+    sigma = min_normal * 2.0**-fmt.man_bits  # the grid step below the smallest normal
     aq = jnp.abs(q)
-    lift = jnp.where(aq < min_normal, min_normal, 0.0)
-    m = _float((_bits(aq + lift) & ~low_mask) | half) - lift
+    m = jnp.where(aq < min_normal, (jnp.floor(aq * (1 / sigma)) + 0.5) * sigma,  # exact scalings
+                  _float((_bits(aq) & ~low_mask) | half))
     hi, lo = _split(s)
     d = (jnp.abs(y) - m * hi) - m * lo  # the sign of |y| - m * s, exactly
     mb = _bits(m)

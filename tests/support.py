@@ -272,16 +272,81 @@ def check_mx(qa, y64, fmt, what=""):
     check_codes(data[finite], v[finite], MX_ELEM[fmt][0], what=what)
 
 
-def check_quantized(qa, y64, what=""):
+# ------------------------------------------------------------------------------------------------
+# Group-scaled FP8 (1 x 128): the float64 oracle of vLLM's per_token_group_quant_fp8
+# ------------------------------------------------------------------------------------------------
+
+GROUP = 128
+
+
+def group_oracle(y, name, fp8_max, eps, ue8m0):
+    """float64 group FP8 of ``y [..., N]``: ``(scale [..., N/128], v [..., N])``, NaN for a group
+    holding NaN or inf. ``scale`` is the float32 ``max(amax, eps) / fp8_max`` (a float64
+    quotient of float32 values rounded once more to float32: the IEEE float32 quotient, since
+    53 >= 2 * 24 + 2), for UE8M0 then ``2**ceil(log2(.))``; ``v = y / scale`` exactly (float64
+    rounds no quotient of float32 values onto an fp8 midpoint it is not on)."""
+    y = f64(y)
+    g = y.reshape(y.shape[:-1] + (-1, GROUP))
+    amax = np.max(np.abs(g), axis=-1)
+    a = np.maximum(amax.astype(np.float32), np.float32(eps)).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        scale = (a / fp8_max).astype(np.float32).astype(np.float64)
+        if ue8m0:
+            scale = np.exp2(np.ceil(np.log2(scale)))
+    scale[~np.isfinite(g).all(axis=-1)] = np.nan
+    with np.errstate(invalid="ignore"):
+        v = g / scale[..., None]
+    return scale, v.reshape(y.shape)
+
+
+def check_group(qa, y64, what="", exact=False):
+    """Scales: the oracle's of ``y64`` within 1e-6 (``exact``: bit for bit, where ``y64`` holds
+    the float32 values the kernel quantized); UE8M0 scales powers of two. Codes: the RNE of the
+    exact ``y / scale`` with the record's own scale (``exact``: every one; otherwise but within
+    1e-5 of a tie, where the kernel's float32 ``y`` and ``y64`` may round apart)."""
+    fmt = qa.format
+    name = jnp.dtype(fmt.dtype).name
+    y64 = f64(y64)
+    assert qa.scale.shape == y64.shape[:-1] + (y64.shape[-1] // GROUP,), what
+    assert qa.scale.dtype == jnp.float32, what
+    scale64, _ = group_oracle(y64, name, fmt.fp8_max, fmt.eps, fmt.ue8m0)
+    got = f64(qa.scale)
+    if exact:
+        assert np.array_equal(got, scale64, equal_nan=True), f"{what}: scales differ from the oracle"
+    else:
+        check_scales(qa.scale, scale64, 1e-6, what)
+    if fmt.ue8m0:
+        ok = np.isfinite(got)
+        assert np.array_equal(np.exp2(np.round(np.log2(got[ok]))), got[ok]), f"{what}: not powers of two"
+    g = y64.reshape(got.shape + (GROUP,))
+    with np.errstate(invalid="ignore"):
+        v = (g / got[..., None]).reshape(y64.shape)
+    data = f64(qa.data)
+    if exact:
+        want = rne_to_grid(np.where(np.isnan(v), 0.0, v), fp8_grid(name))
+        nan = np.isnan(v)
+        assert np.isnan(data[nan]).all(), f"{what}: a NaN group has non-NaN codes"
+        assert np.array_equal(data[~nan], want[~nan]), (
+            f"{what}: {int((data[~nan] != want[~nan]).sum())} codes differ from the RNE of the "
+            "exact quotient")
+        return
+    check_codes(qa.data, v, name, what=what)
+
+
+def check_quantized(qa, y64, what="", exact=False):
     """A ``QuantizedActivation`` against the float64 ``y64 [..., N]`` it quantizes, by its
     format: per-token FP8 (scales within 1e-6, codes the RNE of the exact ``y / scale`` but at
-    ties; the format's fp8_max, min_scale, scale_ub and groups) or MX (``check_mx``)."""
+    ties; the format's fp8_max, min_scale, scale_ub and groups), MX (``check_mx``) or group FP8
+    (``check_group``; ``exact``: ``y64`` holds the float32 values quantized)."""
     fmt = qa.format
     y64 = f64(y64)
     assert qa.data.shape == y64.shape, (what, qa.data.shape, y64.shape)
     if fmt.name in MX_ELEM:
         assert qa.scale.shape == y64.shape[:-1] + (y64.shape[-1] // 32,), what
         check_mx(qa, y64, fmt.name, what)
+        return
+    if fmt.name.startswith("fp8_group"):
+        check_group(qa, y64, what, exact)
         return
     name = jnp.dtype(fmt.dtype).name
     lead, n, g = y64.shape[:-1], y64.shape[-1], fmt.groups

@@ -373,3 +373,142 @@ def test_nonfinite_blocks_and_range_ends(fmt):
         if fmt == "mxfp8":
             assert np.isnan(np.asarray(qa.data.astype(jnp.float32))[0, :32]).all()
         assert np.array_equal(scale_exponents(qa.scale)[3:], mx_oracle(y[3:], fmt)[0]), (impl, fmt)
+
+
+# ------------------------------------------------------------------------------------------------
+# Group-scaled FP8 (1 x 128)
+# ------------------------------------------------------------------------------------------------
+
+GROUP_DTYPES = [("float8_e4m3fn", 448.0), ("float8_e4m3fnuz", 224.0), ("float8_e4m3fnuz", 240.0),
+                ("float8_e5m2", 57344.0)]
+
+
+def test_group_format_values():
+    assert formats.as_format("fp8_group128") == kp.Fp8Group() == kp.FP8_GROUP128
+    assert formats.as_format("fp8_group128_ue8m0") == kp.Fp8Group(ue8m0=True)
+    assert kp.FP8_GROUP128.name == "fp8_group128" and kp.FP8_GROUP128_UE8M0.name == "fp8_group128_ue8m0"
+    assert kp.FP8_GROUP128.block == 128 and kp.FP8_GROUP128.eps == 1e-10
+    f = kp.FP8_GROUP128.resolve(platform.target_from_name("gfx942"))
+    assert f.dtype == jnp.float8_e4m3fnuz and f.fp8_max == 224.0
+    f = kp.FP8_GROUP128_UE8M0.resolve(platform.target_from_name("gfx950"))
+    assert f.dtype == jnp.float8_e4m3fn and f.fp8_max == 448.0 and f.ue8m0
+    assert hash(kp.Fp8Group("float8_e4m3fnuz", 240)) == hash(kp.Fp8Group(jnp.float8_e4m3fnuz, 240.0))
+    bad = [(dict(dtype=jnp.float8_e4m3fn, fp8_max=300.0), ValueError, "must be a value of float8_e4m3fn"),
+           (dict(dtype=jnp.float8_e4m3fn, fp8_max=480.0), ValueError, "exceeds the largest finite"),
+           (dict(fp8_max=2.0), ValueError, "fp8_max"),
+           (dict(eps=0.0), ValueError, "eps"),
+           (dict(ue8m0=1), TypeError, "ue8m0 must be a bool"),
+           (dict(dtype=jnp.int8), TypeError, "FP8 dtype")]
+    for kw, err, match in bad:
+        with pytest.raises(err, match=match):
+            kp.Fp8Group(**kw).bind(jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"eps=1e-30 is below fp8_max \* 2\*\*-100"):
+        kp.Fp8Group(eps=1e-30).resolve(platform.target_from_name("cpu"))
+    with pytest.raises(ValueError, match="fp8_max=300.0 must be a value"):  # checked when resolved
+        kp.quantize(jnp.ones((2, 128)), kp.Fp8Group(fp8_max=300.0))
+
+
+@pytest.mark.parametrize("c", [448.0, 224.0, 240.0, 57344.0, 4.0, 6.0, 15.0])
+def test_scale_is_the_ieee_quotient(rng, c):
+    """``div_by_constant(a, c)`` is the IEEE float32 ``a / c`` (numpy's), bit for bit, over
+    random mantissas in every binade from ``c * 2**-100`` up, and at the quotients' edges
+    (``a`` = ``c`` times powers of two and their neighbours); ``pow2_ceil_code`` is
+    ``ceil(log2(a / c))``."""
+    n = 200_000
+    a = ((2**23 + rng.integers(0, 2**23, n)) * np.exp2(rng.integers(-90, 104, n) - 23.0)).astype(np.float32)
+    edge = (np.float32(c) * np.exp2(np.arange(-100, 100.0))).astype(np.float32)
+    a = np.concatenate([a, edge, np.nextafter(edge, np.float32(np.inf)), np.nextafter(edge, np.float32(0))])
+    a = a[a >= np.float32(c * 2.0**-100)]
+    want = a / np.float32(c)
+    got = np.asarray(jax.jit(lambda a: formats.div_by_constant(a, c))(a))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), int((got != want).sum())
+    code = np.asarray(jax.jit(lambda a: formats.pow2_ceil_code(a, c))(a))
+    np.testing.assert_array_equal(code, np.ceil(np.log2(want.astype(np.float64))) + 127)
+
+
+@pytest.mark.parametrize("name,fp8_max", GROUP_DTYPES)
+def test_codes_are_the_rne_of_the_exact_quotient(rng, name, fp8_max):
+    """``exact_quotient``: values at, and a few ulp either side of, every rounding midpoint (and
+    grid point) times random scales, zeros, subnormal quotients; from a product ``y * inv``
+    whose reciprocal is off by up to 3 ulp either way (a GPU's ``1 / s`` need not be IEEE):
+    the codes are the RNE of the exact quotient, every one. The plain product misses many."""
+    from support import fp8_grid, rne_to_grid
+
+    fmt = kp.Fp8Group(name, fp8_max).bind(name)
+    grid = fp8_grid(name)
+    pos = grid[(grid > 0) & (grid <= fp8_max)]
+    points = np.concatenate([(pos[:-1] + pos[1:]) / 2, pos, [pos[0] / 2, pos[0] / 4]])
+    g = 4096
+    amax = (rng.uniform(1, 2, g) * np.exp2(rng.integers(-40, 40, g))).astype(np.float32)
+    s, _ = jax.jit(lambda a: fmt.block_scale(a, jnp.zeros(a.shape, bool)))(amax)
+    s = np.asarray(s)
+    y = (rng.choice(points, (g, 128)) * s[:, None].astype(np.float64)).astype(np.float32)
+    y = (y.view(np.int32) + rng.integers(-3, 4, y.shape).astype(np.int32)).view(np.float32)
+    y = np.minimum(y, amax[:, None]) * rng.choice(np.float32([-1, 1]), y.shape)
+    y[:, :2] = 0.0
+    y[:, 2] = -0.0
+    want = rne_to_grid(y.astype(np.float64) / s[:, None], grid)
+    inv = (1 / s).astype(np.float32)[:, None]
+    for off in (-3, 0, 3):
+        inv_off = (inv.view(np.int32) + off).view(np.float32)
+        v = jax.jit(lambda y, s, i: fmt.scaled(y, s, i))(y, s[:, None], inv_off)
+        got = f64(jnp.asarray(v).astype(fmt.dtype))
+        assert np.array_equal(got, want), (off, int((got != want).sum()))
+    plain = f64((jnp.asarray(y) * inv).astype(fmt.dtype))
+    assert (plain != want).sum() > 100  # the test reaches the cases that need the correction
+
+
+@pytest.mark.parametrize("fmt", ["fp8_group128", "fp8_group128_ue8m0"])
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_group_semantics(rng, fmt, impl):
+    """Against the float64 oracle, every code and scale exact: groups of every magnitude, a zero
+    group (zero codes, the scale ``eps / fp8_max``), groups holding NaN, +inf, -inf (NaN scale
+    and codes), the largest finite values; no other group changes. Poisoned outputs."""
+    from support import check_quantized
+
+    from k3pallas import testing
+
+    x = np.array(rand(rng, (6, 1024), jnp.float32, spread=30))
+    x[0, :128] = 0.0
+    x[1, 130] = np.nan
+    x[2, 300] = np.inf
+    x[3, 700] = -np.inf
+    x[4, 900:1024] = np.float32(3.4e38) * np.sign(rng.standard_normal(124))
+    x[5, :128] = np.float32(1e-30)
+    with testing.poisoned_outputs():
+        qa = jax.jit(lambda x: kp.quantize(x, fmt, impl=impl))(jnp.asarray(x))
+    check_quantized(qa, x, f"{fmt} {impl}", exact=True)
+    f = qa.format
+    scale, data = np.asarray(qa.scale), f64(qa.data)
+    zero_scale = f.eps / f.fp8_max if not f.ue8m0 else 2.0 ** np.ceil(np.log2(np.float32(f.eps / f.fp8_max)))
+    assert np.isclose(scale[0, 0], zero_scale, rtol=1e-7) and (data[0, :128] == 0).all()
+    for row, group in ((1, 1), (2, 2), (3, 5)):
+        assert np.isnan(scale[row, group]) and np.isnan(data[row, group * 128:(group + 1) * 128]).all()
+        assert np.isfinite(np.delete(scale[row], group)).all()
+    top = np.max(np.abs(data[4, 896:]))  # the group of the largest floats: no overflow
+    assert np.isfinite(scale[4]).all() and (f.fp8_max / 2 < top <= f.fp8_max if f.ue8m0 else top == f.fp8_max)
+
+
+def test_group_records(rng):
+    x = rand(rng, (4, 384), jnp.float32)
+    qa = kp.quantize(x, "fp8_group128", impl="reference")
+    assert kp.QuantizedActivation(qa.data, qa.scale, "fp8_group128").format == qa.format
+    assert kp.QuantizedActivation(qa.data, qa.scale, "fp8_group128_ue8m0").format.ue8m0
+    d = f64(qa.data).reshape(4, 3, 128) * f64(qa.scale)[..., None]
+    np.testing.assert_array_equal(np.asarray(qa.dequantize()), d.reshape(4, 384).astype(np.float32))
+    bad = [(qa.data, qa.scale[:, :1], ValueError, r"needs scales of shape \(4, 3\) \(one per group of 128\)"),
+           (qa.data[:, :200], qa.scale, ValueError, "multiple of 128"),
+           (qa.data, qa.scale.astype(jnp.bfloat16), TypeError, "scales must be float32"),
+           (x, qa.scale, TypeError, "data must have an fp8 dtype"),
+           (qa.data.astype(jnp.float8_e5m2), qa.scale, None, None)]
+    for data, scale, err, match in bad:
+        if err is None:  # the dtype is the record's own: e5m2 data binds an e5m2 format
+            assert kp.QuantizedActivation(data, scale, "fp8_group128").format.dtype == jnp.float8_e5m2
+            continue
+        with pytest.raises(err, match=match):
+            kp.QuantizedActivation(data, scale, "fp8_group128")
+    for op in (lambda: kp.quantize(jnp.ones((2, 200)), "fp8_group128"),
+               lambda: kp.rmsnorm_gated(jnp.ones((2, 4, 64)), jnp.ones(64), jnp.ones((2, 4, 64)),
+                                        out_format="fp8_group128")):
+        with pytest.raises(ValueError, match="must be a multiple of 128"):
+            op()

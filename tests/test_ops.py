@@ -33,7 +33,12 @@ FORMATS = {
     "options": kp.Fp8PerToken(jnp.float8_e4m3fn, min_scale=1e-3, scale_ub=2.0),
     "mxfp8": kp.MXFP8,
     "mxfp4": kp.MXFP4,
+    "group128": kp.FP8_GROUP128,
+    "group128-ue8m0-fnuz": kp.Fp8Group(jnp.float8_e4m3fnuz, ue8m0=True),
+    "group128-e5m2": kp.Fp8Group(jnp.float8_e5m2, eps=1e-4),
 }
+# Widths of the group formats' cases (multiples of 128), where the others' are not.
+GROUPED = {name for name, f in FORMATS.items() if isinstance(f, kp.Fp8Group)}
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -61,51 +66,72 @@ class Case:
     make: Callable
     call: Callable
     oracle: Callable
-    widths: dict = dataclasses.field(default_factory=dict)
+    grouped: Callable | None = None  # ``make`` at widths in whole groups of 128 (group formats)
+
+    def arrays(self, rng, dtype, fmt):
+        return (self.grouped if fmt in GROUPED and self.grouped else self.make)(rng, dtype)
 
 
-def _qkv(rng, dtype, rope):
-    q, kv = tokens(rng, (T, 96), dtype), tokens(rng, (T, 40), dtype, specials=False)
+def _qkv(rng, dtype, rope, dq=96):
+    q, kv = tokens(rng, (T, dq), dtype), tokens(rng, (T, 40), dtype, specials=False)
     pe = tokens(rng, (T, rope), dtype, specials=False)
     return q, kv, pe
 
 
+def _gated(rng, dt, heads, dim):
+    return (tokens(rng, (T, heads, dim), dt), weight(rng, dim),
+            jnp.asarray(rng.standard_normal((T, heads, dim)) * 3, "float32" if dt == "float16" else dt))
+
+
 CASES = {
+    # Group formats: 384 columns (3 groups: pieces 2 + 1).
     "rmsnorm": Case(
         lambda rng, dt: (tokens(rng, (T, 96), dt), weight(rng, 96, dt)),
         lambda a, fmt, impl, **kw: kp.rmsnorm(*a, 1e-6, out_format=fmt, impl=impl, **kw),
-        lambda a: (rmsnorm64(a[0], a[1], 1e-6),)),
+        lambda a: (rmsnorm64(a[0], a[1], 1e-6),),
+        lambda rng, dt: (tokens(rng, (T, 384), dt), weight(rng, 384, dt))),
     "fused_q_kv_rmsnorm": Case(
         lambda rng, dt: (*_qkv(rng, dt, 0)[:2], weight(rng, 96, dt), weight(rng, 40)),
         lambda a, fmt, impl, **kw: kp.fused_q_kv_rmsnorm(*a, 1e-6, kv_eps=1e-5, out_format=fmt,
                                                          impl=impl, **kw),
-        lambda a: (rmsnorm64(a[0], a[2], 1e-6), rmsnorm64(a[1], a[3], 1e-5))),
+        lambda a: (rmsnorm64(a[0], a[2], 1e-6), rmsnorm64(a[1], a[3], 1e-5)),
+        lambda rng, dt: (*_qkv(rng, dt, 0, 384)[:2], weight(rng, 384, dt), weight(rng, 40))),
+    # The packed sizes come from the weights: q_size = len(q_weight), kv_size = len(kv_weight).
     "mla_q_kv_norm": Case(
         lambda rng, dt: (jnp.concatenate(_qkv(rng, dt, 5), -1), weight(rng, 96), weight(rng, 40, dt)),
-        lambda a, fmt, impl, **kw: kp.mla_q_kv_norm(*a, 1e-6, q_size=96, kv_size=40, out_format=fmt,
+        lambda a, fmt, impl, **kw: kp.mla_q_kv_norm(*a, 1e-6, q_size=a[1].shape[0],
+                                                    kv_size=a[2].shape[0], out_format=fmt,
                                                     impl=impl, **kw),
-        lambda a: (rmsnorm64(a[0][:, :96], a[1], 1e-6), rmsnorm64(a[0][:, 96:136], a[2], 1e-6),
-                   f64(a[0][:, 136:]))),
-    # 15 heads: pieces 8 + 4 + (3 padded to 4); head dim 64 (2 blocks of 32).
+        lambda a: (lambda q, k: (rmsnorm64(a[0][:, :q], a[1], 1e-6),
+                                 rmsnorm64(a[0][:, q:q + k], a[2], 1e-6),
+                                 f64(a[0][:, q + k:])))(a[1].shape[0], a[2].shape[0]),
+        lambda rng, dt: (jnp.concatenate(_qkv(rng, dt, 5, 384), -1), weight(rng, 384),
+                         weight(rng, 40, dt))),
+    # 15 heads: pieces 8 + 4 + (3 padded to 4); head dim 64 (2 blocks of 32). Group formats: 5
+    # heads of 128 (pieces 4 + 1), a group per head.
     "rmsnorm_gated": Case(
-        lambda rng, dt: (tokens(rng, (T, 15, 64), dt), weight(rng, 64),
-                         jnp.asarray(rng.standard_normal((T, 15, 64)) * 3, "float32" if dt == "float16" else dt)),
+        lambda rng, dt: _gated(rng, dt, 15, 64),
         lambda a, fmt, impl, act="sigmoid", **kw: kp.rmsnorm_gated(*a, 1e-5, activation=act,
                                                                    out_format=fmt, impl=impl, **kw),
-        lambda a, act="sigmoid": (gated64(a[0], a[1], a[2], 1e-5, act),)),
-    # 3072 columns: pieces 2048 + 1024; MX: 96 blocks, two kernel rows of 48 per token.
+        lambda a, act="sigmoid": (gated64(a[0], a[1], a[2], 1e-5, act),),
+        lambda rng, dt: _gated(rng, dt, 5, 128)),
+    # 3072 columns: pieces 2048 + 1024; MX: 96 blocks, two kernel rows of 48 per token; group
+    # formats: 24 groups, two kernel rows of 12.
     "sigmoid_mul": Case(
         lambda rng, dt: (tokens(rng, (T, 3072), dt), jnp.asarray(rng.standard_normal((T, 3072)) * 3, dt)),
         lambda a, fmt, impl, **kw: kp.sigmoid_mul(*a, out_format=fmt, impl=impl, **kw),
         lambda a: (f64(a[0]) * sigmoid64(f64(a[1])),)),
     # 480 columns: pieces 256 + 128 + (96 padded to 128); MX: 15 blocks, 8 + 4 + (3 padded).
+    # Group formats: 1920 columns, 15 groups alike.
     "quantize": Case(
         lambda rng, dt: (tokens(rng, (T, 480), dt),),
         lambda a, fmt, impl, **kw: kp.quantize(*a, fmt, impl=impl, **kw),
-        lambda a: (f64(a[0]),)),
+        lambda a: (f64(a[0]),),
+        lambda rng, dt: (tokens(rng, (T, 1920), dt),)),
 }
 
-# (op, format, dtype), sampled: every op meets every format and every dtype.
+# (op, format, dtype), sampled: every op meets every format and every dtype; the group format
+# variants (UE8M0 on e4m3fnuz, e5m2 with DeepSeek's eps) every other op each.
 PARAMS = []
 for i, op in enumerate(CASES):
     for j, fmt in enumerate(FORMATS):
@@ -113,18 +139,20 @@ for i, op in enumerate(CASES):
             continue
         if fmt == "options" and op not in ("quantize", "sigmoid_mul", "rmsnorm_gated"):
             continue
+        if fmt in ("group128-ue8m0-fnuz", "group128-e5m2") and (i + j) % 2:
+            continue
         PARAMS.append((op, fmt, DTYPES[(i + j) % 3]))
 
 
-def check(op, arrays, out, fmt, what, **oracle_kw):
-    """The outputs of ``op`` against its float64 oracle."""
+def check(op, arrays, out, fmt, what, exact=False, **oracle_kw):
+    """The outputs of ``op`` against its float64 oracle (``exact``: see ``check_quantized``)."""
     want = CASES[op].oracle(arrays, **oracle_kw)
     out = list(out) if isinstance(out, tuple) else [out]
     assert len(out) == len(want), (what, len(out), len(want))
     for i, (o, w) in enumerate(zip(out, want)):
         if isinstance(o, kp.QuantizedActivation):
             assert o.format == fmt, (what, o.format, fmt)
-            check_quantized(o, w.reshape(o.data.shape), f"{what} output {i}")
+            check_quantized(o, w.reshape(o.data.shape), f"{what} output {i}", exact)
         else:
             dtype = arrays[0].dtype if i != 1 or op == "mla_q_kv_norm" else arrays[1].dtype
             assert o.dtype == dtype, (what, i, o.dtype)
@@ -137,12 +165,13 @@ def check(op, arrays, out, fmt, what, **oracle_kw):
 @pytest.mark.parametrize("op,fmt,dtype", PARAMS)
 def test_against_the_float64_oracle(rng, op, fmt, dtype, impl):
     case = CASES[op]
-    arrays = case.make(rng, dtype)
+    arrays = case.arrays(rng, dtype, fmt)
     f = FORMATS[fmt]
     fmt_value = None if f is None else f.resolve(kp.current_target())
     with testing.poisoned_outputs():
         out = jax.jit(lambda *a: case.call(a, f, impl))(*arrays)
-    check(op, arrays, out, fmt_value, f"{op} {fmt} {dtype} {impl}")
+    # The quantization's input is the float32 of x itself: its group codes are exact.
+    check(op, arrays, out, fmt_value, f"{op} {fmt} {dtype} {impl}", exact=op == "quantize")
 
 
 @pytest.mark.parametrize("fmt", [None, "e4m3fnuz", "mxfp4"])
