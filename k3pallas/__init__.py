@@ -6,7 +6,8 @@ The public API (``import k3pallas as kp``); each op function takes its output fo
 * ``rmsnorm``, ``fused_q_kv_rmsnorm`` (MLA's joint q/kv norm, one launch), ``mla_q_kv_norm`` (the
   same from the packed ``[q_c | kv_c | k_pe]`` projection), ``rmsnorm_gated`` (Kimi Delta
   Attention's gated norm), ``sigmoid_mul`` (MLA's output gate), ``quantize``;
-* ``quantize_weight`` and ``linear``: the matmul that consumes a quantized activation;
+* ``quantize_weight``, ``weight_from_checkpoint`` (a block-FP8 checkpoint's weight as stored) and
+  ``linear``: the matmul that consumes a quantized activation;
 * ``rmsnorm_gated_fp8_per_token`` and ``per_token_fp8_quant``: the seed system's names, as
   shorthands for the per-token FP8 format;
 * the formats (``Fp8PerToken``, ``MXFP8``, ``MXFP4``, ``Fp8Group``: ``FP8_GROUP128``,
@@ -35,13 +36,13 @@ from k3pallas.fp8 import (
 from k3pallas.formats import (FP8_GROUP128, FP8_GROUP128_UE8M0, MXFP4, MXFP8, Fp8Group,
                               Fp8PerToken, QuantizedActivation, QuantizedWeight)
 from k3pallas.kernels.fp8_cast import decisions as fp8_cast_decisions
-from k3pallas.linear import linear, quantize_weight
+from k3pallas.linear import linear, quantize_weight, weight_from_checkpoint
 from k3pallas.platform import compiling_for, current_target
 
 __version__ = "0.1.0"
 
 __all__ = [
-    *_api_all, "quantize_weight", "linear", "Fp8PerToken", "MXFP8", "MXFP4", "Fp8Group",
+    *_api_all, "quantize_weight", "weight_from_checkpoint", "linear", "Fp8PerToken", "MXFP8", "MXFP4", "Fp8Group",
     "FP8_GROUP128", "FP8_GROUP128_UE8M0",
     "QuantizedActivation", "QuantizedWeight", "default_fp8_dtype", "current_target",
     "compiling_for", "fp8_cast_decisions", "FP8_E4M3FN_MAX", "FP8_E4M3FNUZ_MAX",

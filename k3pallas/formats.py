@@ -94,6 +94,16 @@ class Format:
         the jnp semantics the kernels implement. Format resolved first."""
         raise NotImplementedError
 
+    def weight_scale_shape(self, n: int, k: int) -> tuple[int, int]:
+        """A block format's weight scales for data ``[N, K]`` (layout "nk"): one per output channel
+        and block of K (``Mx``); ``Fp8Group`` overrides (128 x 128 blocks)."""
+        return n, k // self.block
+
+    def dequantize_weight(self, data, scale):
+        """float32 ``[N, K]`` of a block format's weight data ``[N, K]`` and scales of
+        ``weight_scale_shape``."""
+        return self.dequantize(data, scale)
+
     def dequantize(self, data, scale, dtype=jnp.float32):
         """``data * scale`` per scale group, ``[..., N]`` in ``dtype`` (a NaN scale: NaN)."""
         n, groups = data.shape[-1], scale.shape[-1]
@@ -453,6 +463,31 @@ class Fp8Group(Format):
                             f"{jnp.dtype(data.dtype).name}")
         super().check_record(data, scale)
 
+    def weight_scale_shape(self, n: int, k: int) -> tuple[int, int]:
+        """128 x 128 blocks of ``[N, K]`` data, as the checkpoints store ``weight_scale_inv``: a
+        partial last block of N (DeepSeek-V3's ``kv_a_proj_with_mqa``: N = 576, 5 blocks)."""
+        return -(-n // self.block), k // self.block
+
+    def dequantize_weight(self, data, scale):
+        n, k = data.shape
+        s = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), self.block, 0)[:n], self.block, 1)
+        return data.astype(jnp.float32) * s
+
+    def quantize_weight(self, w_nk):
+        """``w [N, K]`` (float32 math) in 128 x 128 blocks, each by this format's rule (a partial
+        last block of N scaled by its own rows): ``(data [N, K], scale [ceil(N/128), K/128])``."""
+        n, k = w_nk.shape
+        b = self.block
+        pad = -n % b
+        w = jnp.pad(w_nk.astype(jnp.float32), ((0, pad), (0, 0)))  # zeros leave amax unchanged
+        blocks = w.reshape((n + pad) // b, b, k // b, b)
+        amax = jnp.max(jnp.abs(blocks), axis=(1, 3))
+        nonfinite = ~jnp.all(jnp.isfinite(blocks), axis=(1, 3))
+        scale, inv = self.block_scale(amax, nonfinite)
+        v = self.scaled(blocks, scale[:, None, :, None], inv[:, None, :, None])
+        data = v.astype(self.dtype).reshape(n + pad, k)[:n]
+        return data, scale
+
     # -- the scale and the codes (jnp: the reference and the kernels' block epilogue) ----------
     def block_scale(self, amax, nonfinite):
         """(float32 scale, float32 reciprocal) per group of maxima ``amax >= 0``; NaN where
@@ -682,7 +717,10 @@ class QuantizedWeight:
     * ``fp8_per_token`` (per output channel): ``scale [N]`` float32, or a per-tensor scalar
       ``[]``; data in an fp8 dtype;
     * ``mxfp8`` / ``mxfp4`` (per output channel and block of 32 along K): ``scale [N, K/32]``
-      (``"nk"``) or ``[K/32, N]`` (``"kn"``), e8m0; K a multiple of 32.
+      (``"nk"``) or ``[K/32, N]`` (``"kn"``), e8m0; K a multiple of 32;
+    * ``fp8_group128`` / ``fp8_group128_ue8m0`` (per block of 128 x 128, as the DeepSeek-V3 /
+      Kimi-K2 / Qwen3 FP8 checkpoints store ``weight_scale_inv``): ``scale [ceil(N/128), K/128]``
+      (``"nk"``) or its transpose, float32; K a multiple of 128.
 
     A square scale stored in the other order cannot be told from its shape: say the layout of
     both. A pytree (format and layout static); ``data, scale = qw`` unpacks the arrays.
@@ -741,7 +779,7 @@ class QuantizedWeight:
         if self.format.block is None:  # per output channel (rows of the [N, K] data)
             w = data.astype(jnp.float32) * jnp.reshape(scale.astype(jnp.float32), (-1, 1))
         else:
-            w = self.format.dequantize(data, scale)
+            w = self.format.dequantize_weight(data, scale)
         return w.T.astype(dtype)
 
 
@@ -768,7 +806,8 @@ def _check_weight_record(fmt: Format, data, scale, layout):
         raise TypeError(f"{fmt.name} scales must be {jnp.dtype(fmt.scale_dtype).name}, got "
                         f"{scale.dtype}")
     fmt.check_width(k, f"K of the [K, N] = [{k}, {n}] weight")
-    want = (n, k // fmt.block) if layout == "nk" else (k // fmt.block, n)
+    want = fmt.weight_scale_shape(n, k)
+    want = want if layout == "nk" else want[::-1]
     if tuple(scale.shape) != want:
         raise ValueError(f"{fmt.name} weight scales for data {tuple(data.shape)} (layout "
                          f"{layout!r}, [K, N] = [{k}, {n}]) must have shape {want}; got "

@@ -11,6 +11,8 @@ XLA elementwise fusion. MX: ``jax.nn.scaled_matmul`` on a GPU (on gfx950 XLA's T
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -19,7 +21,15 @@ from k3pallas import formats, ops, platform
 from k3pallas._checks import FLOAT_DTYPES
 from k3pallas.formats import QuantizedActivation, QuantizedWeight
 
-__all__ = ["quantize_weight", "linear"]
+__all__ = ["quantize_weight", "weight_from_checkpoint", "linear", "GROUP_IMPLS"]
+
+# The lowerings of a group-FP8 linear through XLA (``linear(impl=...)``). "auto" takes
+# "per_group" up to this many rows, "dequantize" beyond: an ESTIMATE from bytes moved, not yet
+# timed (per_group writes and reads a float32 [K/128, T, N] partial result, T / 32 times the
+# weight's bytes each way; dequantize writes and reads a bfloat16 weight, 4 times the FP8
+# weight's bytes, whatever T).
+GROUP_IMPLS = ("dequantize", "per_group", "scaled_dot")
+PER_GROUP_MAX_ROWS = 32
 
 
 def quantize_weight(w, out_format, *, layout="nk") -> QuantizedWeight:
@@ -34,6 +44,10 @@ def quantize_weight(w, out_format, *, layout="nk") -> QuantizedWeight:
       the format's per-token default. ``min_scale``, ``scale_ub`` and ``groups`` are refused.
     * MX (``"mxfp8"`` / ``"mxfp4"``): jax's MX rule per output channel and block of 32 along K
       (K a multiple of 32), the activations' rule.
+    * group FP8 (``"fp8_group128"``, ``"fp8_group128_ue8m0"``): the activations' rule per block
+      of 128 x 128 (K a multiple of 128; a partial last block of N), scales
+      ``[ceil(N/128), K/128]`` as the DeepSeek-V3 / Kimi-K2 / Qwen3 FP8 checkpoints store them
+      (``weight_from_checkpoint`` takes those as stored).
 
     ``layout``: how data and scale are stored: ``"nk"`` (default, data ``[N, K]``: what the FP8
     GEMMs and ``jax.nn.scaled_matmul`` read without a transpose; with ``"kn"`` XLA transposes
@@ -61,6 +75,11 @@ def quantize_weight(w, out_format, *, layout="nk") -> QuantizedWeight:
             fmt.check_width(w.shape[0], "K (the first dim of w)")
     except (TypeError, ValueError) as e:
         raise type(e)(f"{op}: {e}") from None
+    if isinstance(fmt, formats.Fp8Group):  # 128 x 128 blocks of the [N, K] data
+        data, scale = ops.inference_only(op, lambda w: fmt.quantize_weight(w.T), w)
+        if layout == "kn":
+            data, scale = data.T, scale.T
+        return QuantizedWeight._unchecked(data, scale, fmt, layout)
 
     def quantize(w):
         wf = w.astype(jnp.float32)
@@ -78,9 +97,47 @@ def quantize_weight(w, out_format, *, layout="nk") -> QuantizedWeight:
     return QuantizedWeight._unchecked(data, scale, fmt, layout)
 
 
+def weight_from_checkpoint(weight, weight_scale_inv, *, out_format="fp8_group128"):
+    """A block-FP8 checkpoint's weight as stored (DeepSeek-V3 / R1 / V3.1, Kimi-K2, Qwen3 FP8:
+    ``weight [N, K]`` float8_e4m3fn, ``weight_scale_inv [ceil(N/128), K/128]`` float32, the
+    weight being ``weight * weight_scale_inv`` per 128 x 128 block) as a ``QuantizedWeight``
+    (layout "nk") for ``linear`` with activations of ``out_format`` (a group format; UE8M0
+    checkpoints store power-of-two scales, which either group format reads).
+
+    Where the activations' FP8 type is e4m3fnuz (AMD gfx94x: MI300X, MI325X), the e4m3fn
+    weight becomes e4m3fnuz as vLLM converts it: the same bits, code 0x80 (e4m3fn's -0,
+    e4m3fnuz's NaN) set to 0, the scales doubled (an e4m3fnuz code is worth half the e4m3fn code
+    of the same bits). Raises TypeError / ValueError for anything else, naming the argument.
+    """
+    op = "weight_from_checkpoint"
+    for name, a in (("weight", weight), ("weight_scale_inv", weight_scale_inv)):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise TypeError(f"{op}: {name} must be an array, got {type(a).__name__}")
+    try:
+        asked = formats.as_format(out_format)
+        if not isinstance(asked, formats.Fp8Group):
+            raise ValueError(f"out_format must be a group format (fp8_group128, "
+                             f"fp8_group128_ue8m0), got {asked.name}")
+        fmt = asked.resolve(platform.current_target(weight))
+        stored = jnp.dtype(weight.dtype)
+        if weight.ndim != 2:
+            raise ValueError(f"weight must be [N, K], got shape {tuple(weight.shape)}")
+        if stored == jnp.dtype(jnp.float8_e4m3fn) and fmt.dtype == jnp.dtype(jnp.float8_e4m3fnuz):
+            bits = lax.bitcast_convert_type(weight, jnp.uint8)
+            weight = lax.bitcast_convert_type(jnp.where(bits == 0x80, 0, bits).astype(jnp.uint8),
+                                              jnp.float8_e4m3fnuz)
+            weight_scale_inv = weight_scale_inv * 2.0
+        elif stored != fmt.dtype:
+            raise TypeError(f"weight is {stored.name}; the activations here are "
+                            f"{fmt.dtype.name} (only e4m3fn -> e4m3fnuz is converted)")
+        return QuantizedWeight(weight, weight_scale_inv, fmt, "nk")
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{op}: {e}") from None
+
+
 def _same_family(op, qa, qw):
     a, b = qa.format, qw.format
-    if a.block != b.block or (a.block is not None and a.name != b.name):
+    if type(a) is not type(b) or (isinstance(a, formats.Mx) and a.name != b.name):
         raise TypeError(f"{op}: the activation is {a.name} and the weight {b.name}; quantize the "
                         "weight with the activation's format (quantize_weight)")
     if jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
@@ -97,15 +154,20 @@ def linear(qa: QuantizedActivation, qw: QuantizedWeight, *, out_dtype=jnp.bfloat
       qw: the ``QuantizedWeight`` of ``quantize_weight`` for the same format (the same element
         dtype; its layout travels with it), standing for ``w [K, N]``.
       out_dtype: float16, bfloat16 (default) or float32.
-      precision: per-token FP8 only (ValueError with an MX format): passed to ``dot_general``
-        (XLA maps it onto the FP8 GEMM's accumulation mode); ``impl="reference"`` computes at
-        ``Precision.HIGHEST`` whatever is given.
+      precision: per-token and group FP8 (ValueError with an MX format): passed to
+        ``dot_general`` (XLA maps it onto the FP8 GEMM's accumulation mode);
+        ``impl="reference"`` computes at ``Precision.HIGHEST`` whatever is given.
       impl: "auto": the vendor path (per-token FP8: ``dot_general`` on the fp8 operands; MX:
         ``jax.nn.scaled_matmul`` on a GPU target, the reference elsewhere: it has no CPU
-        lowering); "reference": the dequantized operands' float32 dot (``Precision.HIGHEST``).
+        lowering; group FP8: "per_group" up to ``PER_GROUP_MAX_ROWS`` rows, else
+        "dequantize"); "reference": the dequantized operands' float32 dot
+        (``Precision.HIGHEST``); group FP8 also "dequantize", "per_group", "scaled_dot"
+        (``GROUP_IMPLS``: the XLA lowerings, see ``_fp8_group``).
 
     Returns: ``[..., N]`` in ``out_dtype``. Per-token FP8 with ``G`` scale groups:
     ``sum_g (data_g @ w_g)_f32 * scale[..., g] * w_scale``, one batched matmul over the groups.
+    Group FP8 (activation and weight of the group formats, either rounding of the scales):
+    ``sum_g (data_g @ w_g) * scale[..., g] * w_scale[n // 128, g]`` over the K groups of 128.
     """
     op = "linear"
     if not isinstance(qa, QuantizedActivation):
@@ -122,13 +184,21 @@ def linear(qa: QuantizedActivation, qw: QuantizedWeight, *, out_dtype=jnp.bfloat
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"{op}: out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-    if impl not in ("auto", "reference"):
-        raise ValueError(f"{op}: impl must be 'auto' or 'reference', got {impl!r}")
-    if precision is not None and qa.format.block is not None:
+    group = isinstance(qa.format, formats.Fp8Group)
+    impls = ("auto", "reference") + (GROUP_IMPLS if group else ())
+    if impl not in impls:
+        raise ValueError(f"{op}: impl must be one of {impls} for {qa.format.name}, got {impl!r}")
+    if precision is not None and isinstance(qa.format, formats.Mx):
         raise ValueError(f"{op}: precision applies to per-token FP8 (dot_general); "
                          f"jax.nn.scaled_matmul takes none for {qa.format.name}")
     lead = data.shape[:-1]
-    if impl == "reference":
+    if group and impl != "reference":
+        rows = math.prod(lead)
+        if impl == "auto":
+            impl = "per_group" if rows <= PER_GROUP_MAX_ROWS else "dequantize"
+        out = _fp8_group(data.reshape(-1, k), scale.reshape(-1, k // qa.format.block), qw, impl,
+                         precision)
+    elif impl == "reference":
         a = qa.dequantize().reshape(-1, k)
         out = jnp.dot(a, qw.dequantize(), precision=lax.Precision.HIGHEST,
                       preferred_element_type=jnp.float32)
@@ -165,3 +235,37 @@ def _fp8_per_token(data, scale, qw, k, n, precision):
         s = scale.reshape(-1, groups).T[:, :, None]  # [G, T, 1]
         acc = jnp.sum(part * s, axis=0).reshape(data.shape[:-1] + (n,))
     return acc * w_scale
+
+
+def _fp8_group(data, scale, qw, impl, precision):
+    """``[T, K]`` group-FP8 activations times a 128 x 128 block-FP8 weight, float32 ``[T, N]``,
+    by one of the XLA lowerings (``GROUP_IMPLS``; what XLA emits for each, and their times:
+    docs/formats.md):
+
+    * "dequantize": both operands dequantized to bfloat16 (codes times float32 scales, one
+      rounding), one bfloat16 GEMM with float32 accumulation;
+    * "per_group": one FP8 GEMM per K group of 128 (a batched ``dot_general`` on the fp8 codes,
+      float32 results ``[K/128, T, N]``), scaled per (token, group) and (output block, group),
+      summed: exact products, float32 sums; memory ``K/128`` times the output's;
+    * "scaled_dot": ``jax.lax.scaled_dot`` (XLA's block-scaled dot composite; its fallback
+      rounds the scales to bfloat16).
+    """
+    w, w_scale = (qw.data, qw.scale) if qw.layout == "nk" else (qw.data.T, qw.scale.T)
+    n, k = w.shape
+    b = qw.format.block
+    g = k // b
+    w_scale_n = jnp.repeat(w_scale, b, axis=0)[:n]  # [N, G]: each output channel's block scales
+    if impl == "dequantize":
+        a = (data.astype(jnp.float32).reshape(-1, g, b) * scale[..., None]).reshape(-1, k)
+        return lax.dot_general(a.astype(jnp.bfloat16),
+                               qw.format.dequantize_weight(w, w_scale).astype(jnp.bfloat16),
+                               (((1,), (1,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+    if impl == "per_group":
+        part = lax.dot_general(data.reshape(-1, g, b), w.reshape(n, g, b),
+                               (((2,), (2,)), ((1,), (1,))), precision=precision,
+                               preferred_element_type=jnp.float32)  # [G, T, N]
+        return jnp.sum(part * scale.T[:, :, None] * w_scale_n.T[:, None, :], axis=0)
+    return lax.scaled_dot(data, w, lhs_scale=scale, rhs_scale=w_scale_n,
+                          dimension_numbers=(((1,), (1,)), ((), ())),
+                          preferred_element_type=jnp.float32)

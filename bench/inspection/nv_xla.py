@@ -15,6 +15,9 @@ its sm_90 launch configs from them as on the H200. XLA writes the module's PTX
 
 An ESTIMATE of the H200 machine's own compile (there: jax 0.11.2, CUDA 13's ptxas), far
 closer than ``bench.inspection.nv_regs`` (pip triton's pipeline); not a predictor of time.
+``--program PROGRAM:T ...``: a whole program instead (a ``bench.rocm.check.PROGRAMS`` name, or
+``PROGRAM_EXTRA`` here), listing what XLA's CUDA backend launches for it: fusions and custom calls
+(cuBLASLt GEMMs), as the H200 would run them before autotuning.
 ``K3PALLAS_NV_XLA_FLAGS`` adds XLA flags for an experiment (``--xla_gpu_ftz=true``: the kernels
 with flush-to-zero). ``denormal_guards``: the ``FSETP`` range checks that ``ex2.approx`` /
 ``rsqrt.approx`` without flush-to-zero expand to (each with two predicated multiplies).
@@ -152,6 +155,88 @@ def _compile_in_env(case: str, env: dict) -> None:
         jax.jit(fn).trace(*structs).lower().compile()
 
 
+def _program_in_env(spec: str) -> None:
+    """(Runs in the venv.) Compile one whole program (``PROGRAM:T``: a name of
+    ``bench.rocm.check.PROGRAMS`` or of ``PROGRAM_EXTRA`` here) for the deviceless H200 and
+    print what its entry computation launches (fusions, custom calls: a cuBLASLt call is
+    ``__cublas$lt$matmul[$f8]``), one per line, as JSON."""
+    import jax
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from bench.rocm import check as rocm_check
+
+    env = load_env()
+    with open(env["target_config"]) as fh:
+        topo = topologies.get_topology_desc("h200", "cuda", target_config=fh.read(),
+                                            topology="1x1x1")
+    mesh = topologies.make_mesh(topo, (1,), ("x",))
+    name, tokens = spec.rsplit(":", 1)
+    fn, args = (PROGRAM_EXTRA[name] if name in PROGRAM_EXTRA else rocm_check.program_fn)(
+        name, int(tokens), mesh)
+    sharding = NamedSharding(mesh, PartitionSpec())
+    structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(fn).trace(*structs).lower().compile().as_text()
+    print(json.dumps({"program": spec, "launches": entry_launches(hlo)}))
+
+
+def entry_launches(hlo: str) -> list[str]:
+    """What the entry computation of an optimized HLO module launches, in order: each fusion as
+    ``name (kind)``, each custom call as its target (a Pallas kernel by its name)."""
+    entry = hlo[hlo.index("\nENTRY "):] if "\nENTRY " in hlo else hlo
+    entry = entry[:entry.find("\n}")]
+    out = []
+    for line in entry.splitlines():
+        if m := re.search(r"%?([\w.\-]+) = .*? fusion\(.*?kind=(\w+)", line):
+            out.append(f"{m.group(1)} ({m.group(2)})")
+        elif m := re.search(r'custom_call_target="([^"]+)"', line):
+            ours = re.search(r"(k3pallas_\w+)", line)
+            out.append(f"**{ours.group(1)}**" if ours else m.group(1))
+    return out
+
+
+def _per_token_linear(name, tokens, mesh):
+    """``kp.quantize`` per token then ``linear`` at the Kimi-K3 TP8 o_proj (1536 -> 7168); with
+    ``_pad16``: the activation's rows padded to a multiple of 16 before the GEMM (what XLA's FP8
+    GEMM rewrite pads to) and the result sliced back."""
+    import jax
+    import jax.numpy as jnp
+
+    import k3pallas as kp
+
+    with jax.set_mesh(mesh):
+        w = jax.eval_shape(lambda: kp.quantize_weight(
+            jax.random.normal(jax.random.PRNGKey(0), (1536, 7168), jnp.bfloat16), "fp8_per_token"))
+    x = jax.ShapeDtypeStruct((tokens, 1536), jnp.bfloat16)
+    pad = name.endswith("_pad16")
+
+    def fn(w, x):
+        if pad:
+            x = jnp.pad(x, ((0, -x.shape[0] % 16), (0, 0)))
+        y = kp.linear(kp.quantize(x, w.format, impl="pallas"), w)
+        return y[:tokens]
+    return fn, [w, x]
+
+
+# Programs only this tool compiles (name -> (name, tokens, mesh) -> (fn, args)).
+PROGRAM_EXTRA = {"per_token_linear_tp8": _per_token_linear,
+                 "per_token_linear_tp8_pad16": _per_token_linear}
+
+
+def program(spec: str, env: dict) -> dict:
+    """``{"program", "launches"}`` of one ``PROGRAM:T``, compiled in the venv."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run_env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
+               "PYTHONPATH": repo, "XLA_FLAGS": f"--xla_gpu_cuda_data_dir={env['cuda_dir']} "
+               + os.environ.get("K3PALLAS_NV_XLA_FLAGS", "")}
+    proc = subprocess.run([env["python"], "-m", "bench.inspection.nv_xla", "--program-one", spec],
+                          env=run_env, capture_output=True, text=True, cwd=repo)
+    if proc.returncode != 0:
+        return {"program": spec, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def kernels(case: str, env: dict) -> list[dict]:
     """[{kernel, registers, spills, SASS counts}] of one ``OP:CONFIG:T`` case."""
     tools = _tools(env)
@@ -186,7 +271,16 @@ def main(argv) -> int:
     if argv[:1] == ["--compile-one"]:
         _compile_in_env(argv[1], load_env())
         return 0
+    if argv[:1] == ["--program-one"]:
+        _program_in_env(argv[1])
+        return 0
     env = load_env()
+    if argv[:1] == ["--program"]:
+        print("| program | launches |\n|---|---|")
+        for spec in argv[1:]:
+            r = program(spec, env)
+            print(f"| {spec} | {r.get('error') or ', '.join(r['launches'])} |")
+        return 0
     cols = ("registers", "spill_stores", "instructions", *OPCODES, "denormal_guards")
     print("| case | kernel | " + " | ".join(cols) + " |")
     print("|---|---|" + "---|" * len(cols))

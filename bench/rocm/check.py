@@ -56,7 +56,13 @@ FP8_CVT = re.compile(r"\b(v_cvt\w*(fp8|bf8)\w*)")  # the FP8 conversion instruct
 FP8_CASTS = ("encoder", "native")
 BROKEN = {"op": "rmsnorm", "config": "deepseek-v3-mla", "tokens": 4096, "launch": [64, 1, 1],
           "broken": True}
-PROGRAMS = ("mla_front", "kda_out_fp8", "kda_out_fp8_tp8", "kda_out_mxfp4_tp8", "mla_out_mxfp4_tp8")
+# Group FP8 programs per lowering of the block-FP8 linear (k3pallas.linear.GROUP_IMPLS): the
+# Kimi-K3 TP8 KDA o_proj (12 x 128 -> 7168) and a DeepSeek-V3 dense MLP input at TP8 (7168 ->
+# 2 x 2304, gate and up).
+GROUP_PROGRAMS = tuple(f"{p}_{impl}" for p in ("kda_out_group_tp8", "dsv3_mlp_group_tp8")
+                       for impl in ("dequantize", "per_group", "scaled_dot"))
+PROGRAMS = ("mla_front", "kda_out_fp8", "kda_out_fp8_tp8", "kda_out_mxfp4_tp8", "mla_out_mxfp4_tp8",
+            *GROUP_PROGRAMS)
 PROGRAM_TOKENS = (64, 4096)
 
 
@@ -115,6 +121,24 @@ def program_fn(name, tokens, mesh):
 
     key = jax.random.PRNGKey(0)  # eagerly, on the host: the topology's devices cannot run it
     bf16 = jnp.bfloat16
+    if name in GROUP_PROGRAMS:
+        import k3pallas as kp
+
+        base, impl = next((p, name[len(p) + 1:]) for p in ("kda_out_group_tp8", "dsv3_mlp_group_tp8")
+                          if name.startswith(p))
+        if base == "kda_out_group_tp8":
+            cfg = kimi_k3.KIMI_K3_TP8
+            with jax.set_mesh(mesh):
+                params = jax.eval_shape(lambda: kimi_k3.init_kda_out(key, cfg))
+            hd = jax.ShapeDtypeStruct((tokens, cfg.kda_heads, cfg.kda_head_dim), bf16)
+            return (lambda p, o, g: kimi_k3.kda_out_group(p, o, g, cfg=cfg, impl="pallas",
+                                                          linear_impl=impl), [params, hd, hd])
+        with jax.set_mesh(mesh):
+            w = jax.eval_shape(lambda: kp.quantize_weight(
+                jax.random.normal(key, (7168, 2 * 2304), bf16), "fp8_group128"))
+        x = jax.ShapeDtypeStruct((tokens, 7168), bf16)
+        return (lambda w, x: kp.linear(kp.quantize(x, w.format, impl="pallas"), w, impl=impl),
+                [w, x])
     if name in ("kda_out_mxfp4_tp8", "mla_out_mxfp4_tp8"):  # our MX kernel -> jax.nn.scaled_matmul
         cfg = kimi_k3.KIMI_K3_TP8
         init = kimi_k3.init_kda_out if name.startswith("kda") else kimi_k3.init_mla_out

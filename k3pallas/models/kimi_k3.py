@@ -9,7 +9,9 @@
   the rank's partial sum before the all-reduce);
 * both output paths also as MXFP4 (the MI355X route): ``rmsnorm_gated`` / ``sigmoid_mul`` with
   ``out_format="mxfp4"`` -> ``linear`` (``jax.nn.scaled_matmul``) with an MXFP4 copy of the
-  o_proj weight (``kda_out_mx`` / ``mla_out_mx``).
+  o_proj weight (``kda_out_mx`` / ``mla_out_mx``), and as group FP8 with a 128 x 128 block
+  weight, the layout of the block-FP8 checkpoints (``kda_out_group`` / ``mla_out_group``; the
+  front-end's q_b with ``q_group=True``).
 
 Each has a bf16 reference path (slices and jnp norms; ``rmsnorm_gated`` in bf16 and a bf16
 o_proj). ``python -m k3pallas.models.kimi_k3`` runs them and prints the relative error of each
@@ -71,6 +73,7 @@ def init_mla_front(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16, fp8_dtype=Non
         "q_norm": (1 + 0.1 * jax.random.normal(k[1], (cfg.q_lora_rank,))).astype(dtype),
         "kv_norm": (1 + 0.1 * jax.random.normal(k[2], (cfg.kv_lora_rank,))).astype(dtype),
         "w_q_b": w_q_b, "w_q_b_fp8": kp.quantize_weight(w_q_b, kp.Fp8PerToken(fp8_dtype)),
+        "w_q_b_group": kp.quantize_weight(w_q_b, kp.Fp8Group(fp8_dtype)),
     }
 
 
@@ -86,7 +89,8 @@ def init_mla_out(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16, fp8_dtype=None,
     heads = cfg.kda_heads if heads is None else heads
     w_o = _dense(key, heads * cfg.kda_head_dim, cfg.hidden, dtype)
     return {"w_o": w_o, "w_o_fp8": kp.quantize_weight(w_o, kp.Fp8PerToken(fp8_dtype)),
-            "w_o_mx": kp.quantize_weight(w_o, "mxfp4")}
+            "w_o_mx": kp.quantize_weight(w_o, "mxfp4"),
+            "w_o_group": kp.quantize_weight(w_o, kp.Fp8Group(fp8_dtype))}
 
 
 def mla_out_mx(params: dict, attn, gate, *, impl: str = "auto", out_dtype=jnp.bfloat16):
@@ -95,6 +99,16 @@ def mla_out_mx(params: dict, attn, gate, *, impl: str = "auto", out_dtype=jnp.bf
     w = params["w_o_mx"]
     qa = kp.sigmoid_mul(attn, gate, out_format=w.format, impl=impl)
     return kp.linear(qa, w, out_dtype=out_dtype)
+
+
+def mla_out_group(params: dict, attn, gate, *, impl: str = "auto", out_dtype=jnp.bfloat16,
+                  linear_impl: str = "auto"):
+    """As ``mla_out_fp8`` with group FP8 (the block-FP8 checkpoints' layout): ``sigmoid_mul``
+    (one launch, a scale per group of 128) in the format of ``params["w_o_group"]``, then
+    ``linear`` (``linear_impl``: its lowering) with the 128 x 128 block weight."""
+    w = params["w_o_group"]
+    qa = kp.sigmoid_mul(attn, gate, out_format=w.format, impl=impl)
+    return kp.linear(qa, w, out_dtype=out_dtype, impl=linear_impl)
 
 
 def _per_token(w: kp.QuantizedWeight) -> kp.Fp8PerToken:
@@ -118,20 +132,24 @@ def mla_out_reference(params: dict, attn, gate, *, dtype=jnp.bfloat16):
     return jnp.dot(y, params["w_o"].astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
 
 
-def mla_front(params: dict, x, *, cfg: Config = KIMI_K3, impl: str = "auto", q_fp8: bool = False):
+def mla_front(params: dict, x, *, cfg: Config = KIMI_K3, impl: str = "auto", q_fp8: bool = False,
+              q_group: bool = False):
     """``x [T, hidden]`` -> ``(q [T, heads, 192], kv_c [T, 512], k_pe [T, 64])``.
 
     ``impl="reference"`` is the bf16 reference path: XLA slices the packed projection and runs
     the jnp norms. ``q_fp8=True``: the norm quantizes q to per-token FP8 in the same launch
     (``mla_q_kv_norm`` with ``out_format``) and q_b is an FP8 matmul with the per-channel FP8
-    copy of its weight (``params["w_q_b_fp8"]``, from ``init_mla_front``).
+    copy of its weight (``params["w_q_b_fp8"]``, from ``init_mla_front``). ``q_group=True``:
+    the same with group FP8 and the 128 x 128 block copy (``params["w_q_b_group"]``), the
+    layout of the block-FP8 checkpoints.
     """
     qkv_a = jnp.dot(x, params["w_qkv_a"], preferred_element_type=jnp.float32).astype(x.dtype)
     norm_args = (qkv_a, params["q_norm"], params["kv_norm"], cfg.mla_eps)
     sizes = dict(q_size=cfg.q_lora_rank, kv_size=cfg.kv_lora_rank, impl=impl)
-    if q_fp8:
-        w = params["w_q_b_fp8"]
-        qa, kv_c, k_pe = kp.mla_q_kv_norm(*norm_args, out_format=_per_token(w), **sizes)
+    if q_fp8 or q_group:
+        w = params["w_q_b_group"] if q_group else params["w_q_b_fp8"]
+        fmt = w.format if q_group else _per_token(w)
+        qa, kv_c, k_pe = kp.mla_q_kv_norm(*norm_args, out_format=fmt, **sizes)
         q = kp.linear(qa, w, out_dtype=x.dtype)
     else:
         q_c, kv_c, k_pe = kp.mla_q_kv_norm(*norm_args, **sizes)
@@ -154,6 +172,7 @@ def init_kda_out(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16, fp8_dtype=None)
         "norm": (1 + 0.1 * jax.random.normal(k[0], (cfg.kda_head_dim,))).astype(jnp.float32),
         "w_o": w_o, "w_o_fp8": kp.quantize_weight(w_o, kp.Fp8PerToken(fp8_dtype)),
         "w_o_mx": kp.quantize_weight(w_o, "mxfp4"),
+        "w_o_group": kp.quantize_weight(w_o, kp.Fp8Group(fp8_dtype)),
     }
 
 
@@ -182,6 +201,16 @@ def kda_out_mx(params: dict, o, gate, *, cfg: Config = KIMI_K3, impl: str = "aut
     w = params["w_o_mx"]
     qa = kp.rmsnorm_gated(o, params["norm"], gate, cfg.kda_eps, out_format=w.format, impl=impl)
     return kp.linear(qa, w, out_dtype=out_dtype)
+
+
+def kda_out_group(params: dict, o, gate, *, cfg: Config = KIMI_K3, impl: str = "auto",
+                  out_dtype=jnp.bfloat16, linear_impl: str = "auto"):
+    """``o, gate [T, H, 128]`` -> ``[T, hidden]``: the gated norm fused with group FP8 (one
+    launch; a group of 128 is one head) in the format of ``params["w_o_group"]``, then
+    ``linear`` (``linear_impl``: its lowering) with the 128 x 128 block weight."""
+    w = params["w_o_group"]
+    qa = kp.rmsnorm_gated(o, params["norm"], gate, cfg.kda_eps, out_format=w.format, impl=impl)
+    return kp.linear(qa, w, out_dtype=out_dtype, impl=linear_impl)
 
 
 def kda_out_reference(params: dict, o, gate, *, cfg: Config = KIMI_K3, dtype=jnp.bfloat16):
@@ -222,8 +251,11 @@ def run(tokens: int = 64, impl: str = "auto", seed: int = 0, cfg: Config = KIMI_
         f"kv_c {results['mla_front']['kv_c']:.2e}, k_pe {results['mla_front']['k_pe']:.2e}")
     q8, _, _ = jax.jit(lambda p, x: mla_front(p, x, cfg=cfg, impl=impl, q_fp8=True))(mla, x)
     results["mla_front"]["q_fp8_vs_bf16"] = rel_error(q8, q_r)
+    qg, _, _ = jax.jit(lambda p, x: mla_front(p, x, cfg=cfg, impl=impl, q_group=True))(mla, x)
+    results["mla_front"]["q_group_vs_bf16"] = rel_error(qg, q_r)
     log(f"MLA front-end with FP8 q (q_b as an FP8 matmul): rel. error of q vs the bf16 path "
-        f"{results['mla_front']['q_fp8_vs_bf16']:.2e}")
+        f"{results['mla_front']['q_fp8_vs_bf16']:.2e}; with group FP8 (block-FP8 q_b) "
+        f"{results['mla_front']['q_group_vs_bf16']:.2e}")
     for i, heads in enumerate(kda_heads):
         params = init_mla_out(keys[4 + i], cfg, heads=heads)
         k = jax.random.split(keys[7 - i % 2], 2)
@@ -233,10 +265,13 @@ def run(tokens: int = 64, impl: str = "auto", seed: int = 0, cfg: Config = KIMI_
         y8 = jax.jit(lambda p, a, g: mla_out_fp8(p, a, g, impl=impl))(params, a, g)
         y16 = jax.jit(lambda p, a, g: mla_out_reference(p, a, g))(params, a, g)
         y4 = jax.jit(lambda p, a, g: mla_out_mx(p, a, g, impl=impl))(params, a, g)
+        yg = jax.jit(lambda p, a, g: mla_out_group(p, a, g, impl=impl))(params, a, g)
         results[f"mla_out_{heads}x{cfg.kda_head_dim}"] = {"fp8_vs_bf16": rel_error(y8, y16),
-                                                         "mxfp4_vs_bf16": rel_error(y4, y16)}
+                                                         "mxfp4_vs_bf16": rel_error(y4, y16),
+                                                         "group_vs_bf16": rel_error(yg, y16)}
         log(f"MLA output gate + FP8 o_proj {heads}x{cfg.kda_head_dim} -> {cfg.hidden}: rel. error "
-            f"FP8 path vs bf16 path {rel_error(y8, y16):.2e}; MXFP4 path {rel_error(y4, y16):.2e}")
+            f"FP8 path vs bf16 path {rel_error(y8, y16):.2e}; MXFP4 path {rel_error(y4, y16):.2e}; "
+            f"group FP8 path {rel_error(yg, y16):.2e}")
     for i, heads in enumerate(kda_heads):
         c = dataclasses.replace(cfg, kda_heads=heads)
         params = init_kda_out(keys[2 + i], c)
@@ -248,15 +283,16 @@ def run(tokens: int = 64, impl: str = "auto", seed: int = 0, cfg: Config = KIMI_
         y16 = jax.jit(lambda p, o, g: kda_out_reference(p, o, g, cfg=c))(params, o, g)
         y32 = jax.jit(lambda p, o, g: kda_out_reference(p, o, g, cfg=c, dtype=jnp.float32))(params, o, g)
         y4 = jax.jit(lambda p, o, g: kda_out_mx(p, o, g, cfg=c, impl=impl))(params, o, g)
+        yg = jax.jit(lambda p, o, g: kda_out_group(p, o, g, cfg=c, impl=impl))(params, o, g)
         r = {"fp8_vs_bf16": rel_error(y8, y16), "fp8_vs_f32": rel_error(y8, y32),
-             "mxfp4_vs_bf16": rel_error(y4, y16),
+             "mxfp4_vs_bf16": rel_error(y4, y16), "group_vs_f32": rel_error(yg, y32),
              "bf16_vs_f32": rel_error(y16, y32), "seconds": time.perf_counter() - t0,
              "fp8_dtype": str(params["w_o_fp8"].data.dtype)}
         results[f"kda_out_{heads}x{c.kda_head_dim}"] = r
         log(f"KDA output {heads}x{c.kda_head_dim} -> {c.hidden}  T={tokens} impl={impl} "
             f"({r['fp8_dtype']}): rel. error FP8 path vs bf16 path {r['fp8_vs_bf16']:.2e} "
             f"(FP8 vs f32 {r['fp8_vs_f32']:.2e}; bf16 vs f32 {r['bf16_vs_f32']:.2e}); MXFP4 path "
-            f"vs bf16 path {r['mxfp4_vs_bf16']:.2e}")
+            f"vs bf16 path {r['mxfp4_vs_bf16']:.2e}; group FP8 vs f32 {r['group_vs_f32']:.2e}")
     return results
 
 
