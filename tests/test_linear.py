@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import k3pallas as kp
-from k3pallas import _compat, formats
+from k3pallas import _compat, formats, platform
 from k3pallas.models import kimi_k3
 
 from support import DEFAULT_FP8_MAX, FP8, check_codes, codes_bytes, f64
@@ -84,6 +84,9 @@ def _oracle(qa, qw):
     w = f64(data)  # [N, K]
     if qw.format.block is None:
         w = w * f64(ws).reshape(-1, 1)
+    elif isinstance(qw.format, kp.Fp8Group):  # 128 x 128 blocks, a partial last one of N
+        n = w.shape[0]
+        w = w * np.repeat(np.repeat(f64(ws), 128, 0)[:n], 128, 1)
     else:
         w = (w.reshape(w.shape[0], -1, 32) * f64(ws.astype(jnp.float32))[..., None]).reshape(w.shape)
     return d @ w.T, np.abs(d) @ np.abs(w.T)
@@ -190,3 +193,124 @@ def test_model_blocks_kimi_k3_sizes():
     for key in ("kda_out_12x128", "kda_out_96x128", "mla_out_12x128", "mla_out_96x128"):
         assert r[key]["fp8_vs_bf16"] < 0.06
         assert 0.1 < r[key]["mxfp4_vs_bf16"] < 0.25  # FP4 elements: ~17 %, not a broken path
+
+
+# ------------------------------------------------------------------------------------------------
+# Group FP8: 128 x 128 block weights, checkpoints as stored, the XLA lowerings
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["fp8_group128", "fp8_group128_ue8m0"])
+def test_quantize_weight_blocks(rng, fmt):
+    """Each 128 x 128 block of ``w.T`` by the activations' rule (the float64 group oracle on the
+    block's values: scale and every code exact); N = 200: a partial last block of 72 rows."""
+    from support import fp8_grid, group_oracle, rne_to_grid
+
+    k, n = 384, 200
+    w = rng.standard_normal((k, n)) * np.exp2(rng.integers(-6, 6, (k // 128, 1)).repeat(128, 0))
+    w[:128, 128:] = 0.0  # a zero block
+    w = jnp.asarray(w, jnp.float32)
+    for layout in ("nk", "kn"):
+        qw = jax.jit(lambda a: kp.quantize_weight(a, fmt, layout=layout))(w)
+        data, scale = (qw.data, qw.scale) if layout == "nk" else (qw.data.T, qw.scale.T)
+        assert data.shape == (n, k) and scale.shape == (2, 3) and scale.dtype == jnp.float32
+        f = qw.format
+        wt = f64(w).T
+        for i in range(2):
+            for j in range(3):
+                block = wt[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)]
+                amax = np.full((1, 128), np.abs(block).max())  # the block's scale: one group's
+                s64, _ = group_oracle(amax, jnp.dtype(f.dtype).name, f.fp8_max, f.eps, f.ue8m0)
+                assert f64(scale)[i, j] == s64[0, 0], (layout, i, j)
+                want = rne_to_grid(block / s64[0, 0], fp8_grid(jnp.dtype(f.dtype).name))
+                assert np.array_equal(f64(data)[128 * i:128 * (i + 1), 128 * j:128 * (j + 1)], want)
+        assert (f64(data)[128:, :128] == 0).all()
+        np.testing.assert_allclose(np.asarray(qw.dequantize()).T, f64(data) * np.repeat(
+            np.repeat(f64(scale), 128, 0)[:n], 128, 1), rtol=2**-24)  # one float32 rounding
+
+
+@pytest.mark.parametrize("impl", ["auto", "per_group", "dequantize", "scaled_dot", "reference"])
+@pytest.mark.parametrize("fmt", ["fp8_group128", "fp8_group128_ue8m0"])
+def test_group_linear_against_the_oracle(rng, impl, fmt):
+    """Every lowering against the float64 blockwise-dequantized product. ``per_group`` and the
+    reference compute the float32 sums of exact products (1e-5 of the magnitudes);
+    ``dequantize`` and ``scaled_dot`` round the dequantized operands (``scaled_dot`` also the
+    scales) to bfloat16: within 2**-7 of the magnitudes, exact for UE8M0 operands' values."""
+    k, n = 512, 200
+    x = jnp.asarray(rng.standard_normal((2, 3, k)) * np.repeat(rng.uniform(0.1, 10, 4), 128), jnp.bfloat16)
+    qa = kp.quantize(x, fmt, impl="interpret")
+    qw = kp.quantize_weight(jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.float32), fmt,
+                            layout="kn" if impl == "scaled_dot" else "nk")
+    ref, mag = _oracle(qa, qw)
+    out = jax.jit(lambda a, w: kp.linear(a, w, out_dtype=jnp.float32, impl=impl))(qa, qw)
+    assert out.shape == (2, 3, n) and out.dtype == jnp.float32
+    exact_sums = impl in ("auto", "per_group", "reference") or fmt.endswith("ue8m0")
+    tol = 1e-5 if exact_sums else 2**-7
+    assert np.all(np.abs(f64(out) - ref) <= tol * mag + 1e-30), impl
+
+
+def test_group_linear_auto_by_rows(rng):
+    """"auto": ``per_group`` up to ``PER_GROUP_MAX_ROWS`` rows (a batched dot_general, its result
+    ``[K/128, T, N]``), ``dequantize`` beyond (one ``[T, N]`` dot_general)."""
+    import importlib
+
+    most = importlib.import_module("k3pallas.linear").PER_GROUP_MAX_ROWS
+    qw = kp.quantize_weight(jnp.ones((256, 64)), "fp8_group128")
+    for rows, result in ((most, f"f32[2,{most},64] = dot_general"), (most + 1, f"f32[{most + 1},64] = dot_general")):
+        qa = kp.quantize(jnp.ones((rows, 256)), "fp8_group128", impl="reference")
+        assert result in str(jax.make_jaxpr(lambda a, w: kp.linear(a, w))(qa, qw)), rows
+
+
+def test_weight_from_checkpoint(rng):
+    """A DeepSeek-V3-style block-FP8 weight as stored: ``weight [N, K]`` e4m3fn, scales
+    ``[ceil(N/128), K/128]`` (N = 576: 4.5 blocks, as kv_a_proj_with_mqa); as e4m3fn it is read
+    as is; where the activations are e4m3fnuz (gfx94x) it is converted as vLLM does (same bits,
+    0x80 -> 0, scales doubled) and dequantizes to the same values (0x80, -0, to +0)."""
+    n, k = 576, 256
+    codes = rng.integers(0, 256, (n, k)).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x00  # no e4m3fn NaN in a checkpoint
+    codes[3, :5] = 0x80
+    weight = jax.lax.bitcast_convert_type(jnp.asarray(codes), jnp.float8_e4m3fn)
+    scale = jnp.asarray(rng.uniform(1e-4, 1e-2, (5, 2)), jnp.float32)
+    qw = kp.weight_from_checkpoint(weight, scale)
+    assert qw.layout == "nk" and qw.data is weight and qw.shape == (k, n)
+    want = f64(weight) * np.repeat(np.repeat(f64(scale), 128, 0)[:n], 128, 1)
+    np.testing.assert_allclose(f64(qw.dequantize()).T, want, rtol=2**-24)
+    fnuz = kp.weight_from_checkpoint(weight, scale, out_format=kp.Fp8Group(jnp.float8_e4m3fnuz))
+    assert fnuz.data.dtype == jnp.float8_e4m3fnuz and fnuz.format.fp8_max == 224.0
+    bits = np.asarray(jax.lax.bitcast_convert_type(fnuz.data, jnp.uint8))
+    assert (bits[3, :5] == 0).all() and np.array_equal(bits[codes != 0x80], codes[codes != 0x80])
+    np.testing.assert_array_equal(f64(fnuz.scale), 2 * f64(scale))
+    np.testing.assert_array_equal(f64(fnuz.dequantize()), f64(qw.dequantize()))
+    with kp.compiling_for(platform.target_from_name("gfx942")):  # the device picks the conversion
+        on_mi300 = kp.weight_from_checkpoint(weight, scale)
+    assert on_mi300.data.dtype == jnp.float8_e4m3fnuz
+    qa = kp.quantize(jnp.asarray(rng.standard_normal((3, k)), jnp.float32), "fp8_group128", impl="reference")
+    np.testing.assert_allclose(np.asarray(kp.linear(qa, qw, out_dtype=jnp.float32)),
+                               _oracle(qa, qw)[0], rtol=1e-4, atol=1e-4 * np.abs(_oracle(qa, qw)[1]).max())
+    bad = [((weight, scale[:4]), {}, ValueError, r"must have shape \(5, 2\)"),
+           ((weight[:, :200], scale), {}, ValueError, "multiple of 128"),
+           ((weight.astype(jnp.float8_e5m2), scale), {}, TypeError, "only e4m3fn -> e4m3fnuz"),
+           ((weight, scale.astype(jnp.bfloat16)), {}, TypeError, "scales must be float32"),
+           ((weight, scale), dict(out_format="fp8_per_token"), ValueError, "must be a group format"),
+           ((weight[None], scale), {}, ValueError, r"weight must be \[N, K\]"),
+           (("w", scale), {}, TypeError, "weight must be an array")]
+    for args, kw, err, match in bad:
+        with pytest.raises(err, match=f"weight_from_checkpoint: .*{match}"):
+            kp.weight_from_checkpoint(*args, **kw)
+
+
+def test_group_linear_errors(rng):
+    qa = kp.quantize(jnp.ones((2, 256)), "fp8_group128", impl="reference")
+    qw = kp.quantize_weight(jnp.ones((256, 64)), "fp8_group128")
+    mx = kp.quantize_weight(jnp.ones((256, 64)), "mxfp8")
+    with pytest.raises(TypeError, match="the activation is fp8_group128 and the weight mxfp8"):
+        kp.linear(qa, mx)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        kp.linear(qa, qw, impl="cutlass")
+    with pytest.raises(ValueError, match="impl must be one of"):  # group lowerings: group only
+        kp.linear(kp.quantize(jnp.ones((2, 256)), "mxfp8", impl="reference"), mx, impl="per_group")
+    ue = kp.quantize(jnp.ones((2, 256)), "fp8_group128_ue8m0", impl="reference")
+    assert kp.linear(ue, qw).shape == (2, 64)  # either rounding of the scales reads the other
+    with pytest.raises(ValueError, match=r"must be a multiple of 128"):
+        kp.quantize_weight(jnp.ones((200, 64)), "fp8_group128")
