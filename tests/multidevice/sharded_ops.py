@@ -291,6 +291,46 @@ def test_mx_ops_sharded(mesh, impl, fmt):
     same(got, fn(x, w, g), f"{fmt} gated in shard_map", exact=exact)
 
 
+@pytest.mark.parametrize("impl,fmt", [("reference", "fp8_group128"),
+                                      ("reference", "fp8_group128_ue8m0"),
+                                      ("interpret", "fp8_group128")])
+def test_group_ops_sharded(mesh, impl, fmt):
+    """The group formats as the MX ops: a group of 128 is a head of the gated op (heads over tp),
+    columns shard in whole groups (quant, sigmoid-mul: 128 per device), the joint norms over
+    tokens; no communication, each equal to the unsharded op (the kernels in interpret mode: the
+    gated op, as for MX). A shard of part of a group is refused with the group size named."""
+    exact = impl != "reference"
+    x, g, w = rand(50, (16, 8, 128), scale=3), rand(51, (16, 8, 128)), rand(52, (128,), jnp.float32)
+    x = x.at[2, 5, 40].set(jnp.nan)  # head 5 of token 2: that group NaN, no other
+    fn = lambda x, w, g: kp.rmsnorm_gated(x, w, g, out_format=fmt, impl=impl)  # noqa: E731
+    qa = check(mesh, fn, (x, w, g), [("dp", "tp"), (), ("dp", "tp")], expect_all_reduce=False,
+               what=f"{fmt} gated, heads over tp", exact=exact)
+    scale = np.asarray(qa.scale)
+    assert qa.scale.shape == (16, 8) and np.isnan(scale).sum() == 1 and np.isnan(scale[2, 5])
+    if impl == "interpret":
+        return
+    a, b = rand(53, (16, 1024), scale=2), rand(54, (16, 1024))
+    check(mesh, lambda a, b: kp.sigmoid_mul(a, b, out_format=fmt, impl=impl), (a, b),
+          [("dp", "tp"), ("dp", "tp")], expect_all_reduce=False, what=f"{fmt} sigmoid-mul",
+          exact=exact)
+    check(mesh, lambda a: kp.quantize(a, fmt, impl=impl), (a,),
+          [(None, ("dp", "tp"))], expect_all_reduce=False, what=f"{fmt} quant, columns",
+          exact=exact)
+    q, kv, wq, wkv = rand(55, (64, 256)), rand(56, (64, 32)), rand(57, (256,)), rand(58, (32,))
+    check(mesh, lambda q, kv, wq, wkv: kp.fused_q_kv_rmsnorm(q, kv, wq, wkv, out_format=fmt,
+                                                             impl=impl),
+          (q, kv, wq, wkv), [TOKENS, TOKENS, (), ()], expect_all_reduce=False,
+          what=f"{fmt} joint norm", exact=exact)
+    packed = rand(59, (64, 256 + 32 + 8))
+    check(mesh, lambda p, wq, wkv: kp.mla_q_kv_norm(p, wq, wkv, q_size=256, kv_size=32,
+                                                    out_format=fmt, impl=impl),
+          (packed, wq, wkv), [TOKENS, (), ()], expect_all_reduce=False,
+          what=f"{fmt} packed norm", exact=exact)
+    xs = put(mesh, rand(60, (4, 512)), None, ("dp", "tp"))  # 64 columns per device
+    with pytest.raises(ValueError, match=r"a shard must hold whole blocks.*multiples of 128"):
+        kp.quantize(xs, fmt, impl=impl)
+
+
 @pytest.mark.parametrize("op", ["quantize", "sigmoid_mul"])
 def test_mx_column_sharding_eager_and_jit_agree(mesh, op):
     """Round 3: an eager call on columns sharded in whole blocks was refused while jit took it,
