@@ -62,7 +62,8 @@ def _sampled(qa, rows):
 
 
 @pytest.mark.parametrize("t", [1, 7, 4096, 131072])
-@pytest.mark.parametrize("fmt", [None, "fp8_per_token", FNUZ, "mxfp8", "mxfp4"])
+@pytest.mark.parametrize("fmt", [None, "fp8_per_token", FNUZ, "mxfp8", "mxfp4", "fp8_group128",
+                                 "fp8_group128_ue8m0"])
 def test_joint_and_packed_norms(rng, t, fmt):
     q, kv = _rand(rng, (t, 1536), scale=3.0), _rand(rng, (t, 512))
     pe = _rand(rng, (t, 64))
@@ -100,16 +101,17 @@ def test_packed_norm_compiles_to_one_call():
 
 @pytest.mark.parametrize("t", [1, 7, 4096, 131072])
 @pytest.mark.parametrize("hd", [(32, 128), (12, 128), (96, 128), (5, 96)], ids=str)
-@pytest.mark.parametrize("fmt", ["e4m3fn", FNUZ, "mxfp4"])
+@pytest.mark.parametrize("fmt", ["e4m3fn", FNUZ, "mxfp4", "fp8_group128", "group_ue8m0_fnuz"])
 def test_gated_norm(rng, t, hd, fmt):
     h, d = hd
     if t == 131072 and hd != (32, 128):
         pytest.skip("the largest T on the headline shape only")
-    if fmt == "mxfp4" and d % 32:
-        pytest.skip("MX needs a head dim in blocks of 32")
+    if fmt == "mxfp4" and d % 32 or "group" in fmt and d % 128:
+        pytest.skip("MX needs a head dim in blocks of 32, the group formats in groups of 128")
     x, g = _rand(rng, (t, h, d), scale=2.0), _rand(rng, (t, h, d), scale=2.0)
     w = jnp.asarray(rng.uniform(0.2, 2.0, d), jnp.float32)
-    out_format = {"e4m3fn": kp.Fp8PerToken(jnp.float8_e4m3fn), FNUZ: kp.Fp8PerToken(FNUZ)}.get(fmt, fmt)
+    out_format = {"e4m3fn": kp.Fp8PerToken(jnp.float8_e4m3fn), FNUZ: kp.Fp8PerToken(FNUZ),
+                  "group_ue8m0_fnuz": kp.Fp8Group(FNUZ, ue8m0=True)}.get(fmt, fmt)
     out = _compiled_twice_and_poisoned(
         lambda *a: kp.rmsnorm_gated(*a, out_format=out_format, impl="pallas"), x, w, g)
     rows = _rows(rng, t)
@@ -126,15 +128,25 @@ def test_gated_norm(rng, t, hd, fmt):
 
 
 @pytest.mark.parametrize("t,n", [(1, 4096), (4096, 4096), (131072, 1536), (33, 3000), (64, 12288)])
-@pytest.mark.parametrize("fmt", ["e4m3fn", FNUZ, "e5m2", "mxfp8", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["e4m3fn", FNUZ, "e5m2", "mxfp8", "mxfp4", "fp8_group128",
+                                 "fp8_group128_ue8m0", "group_fnuz"])
 def test_columns(rng, t, n, fmt):
-    """The standalone quantization and the sigmoid-mul."""
-    if fmt.startswith("mx") and n % 32:
-        pytest.skip("MX needs whole blocks of 32")
+    """The standalone quantization and the sigmoid-mul. The group formats' quantization: scales
+    and codes exact on the device (its reciprocal need not be IEEE; up to 4096 rows against the
+    float64 oracle), every one equal to XLA's."""
+    if fmt.startswith("mx") and n % 32 or "group" in fmt and n % 128:
+        pytest.skip("MX needs whole blocks of 32, the group formats groups of 128")
     x, g = _rand(rng, (t, n), scale=3.0), _rand(rng, (t, n), scale=3.0)
     out_format = {"e4m3fn": kp.Fp8PerToken(jnp.float8_e4m3fn), FNUZ: kp.Fp8PerToken(FNUZ),
-                  "e5m2": kp.Fp8PerToken(jnp.float8_e5m2)}.get(fmt, fmt)
+                  "e5m2": kp.Fp8PerToken(jnp.float8_e5m2),
+                  "group_fnuz": kp.Fp8Group(FNUZ, 240.0)}.get(fmt, fmt)
     qa = _compiled_twice_and_poisoned(lambda a: kp.quantize(a, out_format, impl="pallas"), x)
+    if "group" in fmt:
+        rows = _rows(rng, t, 4096)
+        check_quantized(_sampled(qa, rows), f64(np.asarray(x)[rows]), f"quantize {fmt}", exact=True)
+        ref = jax.jit(lambda a: kp.quantize(a, out_format, impl="reference"))(x)
+        assert np.array_equal(codes_bytes(qa.data), codes_bytes(ref.data))
+        assert np.array_equal(codes_bytes(qa.scale), codes_bytes(ref.scale))
     sm = _compiled_twice_and_poisoned(
         lambda a, b: kp.sigmoid_mul(a, b, out_format=out_format, impl="pallas"), x, g)
     rows = _rows(rng, t)
@@ -356,12 +368,35 @@ def test_scaled_matmul_on_our_mxfp4_equals_it_on_jax_s_quantization(rng):
     np.testing.assert_allclose(a, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("impl", ["per_group", "dequantize", "scaled_dot"])
+@pytest.mark.parametrize("t", [1, 7, 64, 4096])
+def test_group_linear_on_the_device(rng, impl, t):
+    """Each XLA lowering of the group-FP8 linear compiled for the GPU, at the Kimi-K3 TP8 o_proj
+    (1536 -> 7168) on our compiled group quantization, against the float64 blockwise-dequantized
+    product: ``per_group`` within the FP8 GEMM's accumulation (2**-10 of the magnitudes, as the
+    per-token GEMM), the bfloat16 lowerings within 2**-7. Prints what XLA launched."""
+    k, n = 1536, 7168
+    qa = kp.quantize(_rand(rng, (t, k), scale=3.0), "fp8_group128", impl="pallas")
+    qw = kp.quantize_weight(_rand(rng, (k, n), scale=0.02), "fp8_group128")
+    fn = lambda qa, qw: kp.linear(qa, qw, out_dtype=jnp.float32, impl=impl)  # noqa: E731
+    print(f"linear fp8_group128 {impl} T={t}:", hlo.entry_instructions(hlo.compiled_text(fn, qa, qw)))
+    out = jax.jit(fn)(qa, qw)
+    d = f64(qa.dequantize())
+    w = f64(qw.dequantize())
+    ref, mag = d @ w, np.abs(d) @ np.abs(w)
+    assert np.max(np.abs(f64(out) - ref) / mag) <= (2**-10 if impl == "per_group" else 2**-7)
+
+
 def test_model_blocks(rng):
     r = kimi_k3.run(tokens=256, impl="pallas", log=print)
     assert r["mla_front"]["q"] < 1e-2 and r["mla_front"]["kv_c"] < 1e-2
-    assert r["mla_front"]["q_fp8_vs_bf16"] < 0.06
+    assert r["mla_front"]["q_fp8_vs_bf16"] < 0.06 and r["mla_front"]["q_group_vs_bf16"] < 0.06
     for key in ("kda_out_12x128", "kda_out_96x128", "mla_out_12x128", "mla_out_96x128"):
         assert r[key]["fp8_vs_bf16"] < 0.06 and 0.1 < r[key]["mxfp4_vs_bf16"] < 0.25
+    for key in ("kda_out_12x128", "kda_out_96x128"):
+        assert r[key]["group_vs_f32"] < 0.06
+    for key in ("mla_out_12x128", "mla_out_96x128"):
+        assert r[key]["group_vs_bf16"] < 0.06
 
 
 def test_inside_shard_map_and_with_shardings(rng):
