@@ -246,9 +246,16 @@ QUICK_TOKENS = (1, 64)
 # hidden size (the o_proj's output width).
 KDA_OUTPUT = {name: dict(_KDA[name], eps=1e-5, hidden=7168) for name in ("kimi-k3-kda-tp8", "kimi-k3-kda")}
 # Each case's model configs (headline first), then the integration path's.
-OP_CONFIGS = {**{name: case.configs for name, case in OPS.items()}, "kda_output_fp8": tuple(KDA_OUTPUT)}
+# The group-FP8 linear beside the bf16 dot and the per-token FP8 path (bench.ops.make_case,
+# ``group_linear``): the Kimi-K3 TP8 KDA o_proj (the gated norm fused with the quantization,
+# then the GEMM) and a DeepSeek-V3 dense MLP input at TP8 (the quantization, then the gate and up
+# projections 7168 -> 2 x 2304).
+GROUP_LINEAR = {"kimi-k3-kda-tp8": dict(KDA_OUTPUT["kimi-k3-kda-tp8"]),
+                "deepseek-v3-mlp-tp8": dict(k=7168, n=2 * 2304)}
+OP_CONFIGS = {**{name: case.configs for name, case in OPS.items()}, "kda_output_fp8": tuple(KDA_OUTPUT),
+              "group_linear": tuple(GROUP_LINEAR)}
 ALL = tuple(OP_CONFIGS)
 # Default token counts where a path differs from DEFAULT_TOKENS: the KDA output path is bound by
 # its o_proj GEMM from a few thousand tokens on (and its large-T cases take minutes to autotune
 # and time), so the benchmark stops at 4096 there.
-OP_TOKENS = {"kda_output_fp8": (1, 7, 64, 512, 4096)}
+OP_TOKENS = {"kda_output_fp8": (1, 7, 64, 512, 4096), "group_linear": (1, 7, 16, 64, 512, 4096)}

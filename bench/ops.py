@@ -16,7 +16,8 @@ One integration path, not an op, is measured the same way: ``kda_output_fp8``, t
 path up to the FP8 o_proj (``k3pallas``: the fused gated FP8 kernel then ``linear``; ``unfused``:
 ``rmsnorm_gated``, ``quantize``, then ``linear``; ``xla``: the jnp norm and quant, then
 ``linear``; ``bf16``: the jnp gated norm in bf16 and a bf16 o_proj). The o_proj GEMM dominates
-there, so "% copy" says little.
+there, so "% copy" says little. Likewise ``group_linear``: the group-FP8 consumers, each XLA
+lowering of ``linear`` beside the per-token FP8 path and the bf16 dot (``_group_linear_case``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import k3pallas as kp
 from bench import cases as ops
 from k3pallas import platform
 from k3pallas.kernels import hooks, launch
+from k3pallas.linear import GROUP_IMPLS
 
 
 
@@ -133,7 +135,59 @@ def make_case(op: str, config_name: str, tokens: int, dtype: str, impl: str) -> 
             launch_cfg = _launch_of(fused, jax.tree.map(
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), make(0)))
         return Case(op, config_name, tokens, dt.name, make, variants, inb + outb, inb, launch_cfg)
+    if op == "group_linear":
+        return _group_linear_case(config_name, tokens, dt, impl)
     raise KeyError(f"unknown op {op!r}; known: {ops.ALL}")
+
+
+def _group_linear_case(config_name: str, tokens: int, dt, impl: str) -> Case:
+    """The group-FP8 consumers (``bench.cases.GROUP_LINEAR``): the producer (the fused gated
+    norm, or the quantization) then ``linear``, by each XLA lowering (``k3pallas``: "auto";
+    ``per_group``, ``dequantize``, ``scaled_dot``), beside the per-token FP8 path (``fp8``) and
+    the bf16 dot on the jnp producer (``bf16``)."""
+    cfg = ops.GROUP_LINEAR[config_name]
+    j = jax.jit
+    group, per_token = kp.Fp8Group(kp.default_fp8_dtype()), kp.Fp8PerToken(kp.default_fp8_dtype())
+    kda = "heads" in cfg
+    k = cfg["heads"] * cfg["dim"] if kda else cfg["k"]
+    n = cfg["hidden"] if kda else cfg["n"]
+    w = _rand(jax.random.PRNGKey(1234), (k, n), dt) * k**-0.5  # one weight for every input set
+    qw_group, qw_fp8 = kp.quantize_weight(w, group), kp.quantize_weight(w, per_token)
+
+    def make(seed):
+        key = jax.random.split(jax.random.PRNGKey(seed), 3)
+        if kda:
+            x = (_rand(key[0], (tokens, cfg["heads"], cfg["dim"]), dt), _rand(key[1], (cfg["dim"],), jnp.float32),
+                 _rand(key[2], (tokens, cfg["heads"], cfg["dim"]), dt))
+        else:
+            x = (_rand(key[0], (tokens, k), dt),)
+        return (*x, qw_group, qw_fp8, w)
+
+    def produce(x, fmt, impl):
+        if kda:
+            return kp.rmsnorm_gated(*x, cfg["eps"], out_format=fmt, impl=impl)
+        return kp.quantize(x[0], fmt, impl=impl)
+
+    def path(lowering):
+        def fn(*a):
+            *x, qg, _, _ = a
+            return kp.linear(produce(x, group, impl), qg, out_dtype=dt, impl=lowering)
+        return j(fn)
+
+    def fp8(*a):
+        *x, _, qf, _ = a
+        return kp.linear(produce(x, per_token, impl), qf, out_dtype=dt)
+
+    def bf16(*a):
+        *x, _, _, w = a
+        y = (kp.rmsnorm_gated(*x, cfg["eps"], impl="reference").reshape(tokens, k) if kda else x[0])
+        return jnp.dot(y, w, preferred_element_type=jnp.float32).astype(dt)
+    variants = {"k3pallas": path("auto"), **{name: path(name) for name in GROUP_IMPLS},
+                "fp8": j(fp8), "bf16": j(bf16)}
+    inb = (2 * _nbytes((tokens, k), dt) + _nbytes((cfg["dim"],), jnp.float32) if kda
+           else _nbytes((tokens, k), dt)) + k * n + (k // 128) * -(-n // 128) * 4
+    outb = _nbytes((tokens, n), dt)
+    return Case("group_linear", config_name, tokens, dt.name, make, variants, inb + outb, inb, None)
 
 
 def copy_variants(bytes_moved: int):

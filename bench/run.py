@@ -75,6 +75,10 @@ def job_weight(op: str, config: str, tokens: int, dtype: str, gpu: bool) -> floa
         spec = cases.OPS[op]
         variants = 3 + (spec.unfused is not None) + (gpu and (spec.fp8 or spec.mx))
         nbytes = spec.bytes_moved(config, tokens, dtype)
+    elif op == "group_linear":  # six variants around a GEMM
+        c = cases.GROUP_LINEAR[config]
+        k, n = (c["heads"] * c["dim"], c["hidden"]) if "heads" in c else (c["k"], c["n"])
+        variants, nbytes = 7, tokens * k * 6 + k * n
     else:  # the KDA output path: four variants around a GEMM
         c = cases.KDA_OUTPUT[config]
         variants, nbytes = 6, tokens * c["heads"] * c["dim"] * 6 + c["heads"] * c["dim"] * c["hidden"]

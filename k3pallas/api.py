@@ -31,7 +31,7 @@ from k3pallas import fp8 as fp8_lib, formats, ops, platform
 from k3pallas._checks import FLOAT_DTYPES, static_int, static_positive_float
 from k3pallas.formats import Fp8PerToken, QuantizedActivation
 
-__all__ = ["rmsnorm", "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm_gated", "sigmoid_mul",
+__all__ = ["rmsnorm", "add_rmsnorm", "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm_gated", "sigmoid_mul",
            "quantize", "rmsnorm_gated_fp8_per_token", "per_token_fp8_quant", "IMPLS",
            "ACTIVATIONS"]
 
@@ -164,6 +164,41 @@ def rmsnorm(x, weight, eps=1e-6, *, out_format=None, fp8_cast=None, impl="auto")
     c.check_width(x.shape[-1], "the last dim of x", per_token_groups_ok=False)
     out = c.run(impl, (x, weight), dict(eps=eps))
     return out if c.fmt is None else c.record(*out)
+
+
+def add_rmsnorm(x, residual, weight, eps=1e-6, *, out_format=None, fp8_cast=None, impl="auto"):
+    """The residual add fused into RMSNorm, as every decoder layer runs it twice:
+    ``r = x + residual``, then ``rmsnorm(r) * weight``, in ONE launch that reads ``x`` and
+    ``residual`` once and writes ``r`` and the output once.
+
+    ``r`` is the float32 sum rounded once to the dtype, and the norm is that of the stored ``r``
+    (as vLLM's ``fused_add_rms_norm``: the residual stream is what the next layer adds to). The
+    kernel writes ``r`` over ``residual``'s buffer (``input_output_aliases``): under ``jax.jit``
+    with ``residual`` donated (``donate_argnums``), the update is in place, no new buffer.
+
+    Args:
+      x: ``[..., D]`` float16, bfloat16 or float32 (the sublayer's output).
+      residual: the residual stream, the shape and dtype of ``x``.
+      weight: ``[D]``, any of those dtypes.
+      eps: positive finite Python float (default 1e-6: DeepSeek-V3, Kimi-K2 / K3).
+      out_format: None, or a format quantizing the float32 norm in the same launch (per-token FP8
+        with one scale per token, MX with ``D`` a multiple of 32, group FP8 of 128).
+      fp8_cast, impl: see the module docstring.
+
+    Returns: ``(y [..., D] in x.dtype, r)``; with a format ``(QuantizedActivation, r)``.
+    """
+    op = ops.ADD_RMSNORM.name
+    _check_array(op, "x", x)
+    _check_array(op, "residual", residual)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"{op}: residual must have the shape and dtype of x; got residual "
+                         f"{tuple(residual.shape)} {residual.dtype} and x {tuple(x.shape)} {x.dtype}")
+    _check_weight(op, "weight", weight, x.shape[-1], "x")
+    eps = _eps(op, "eps", eps)
+    c = _Call(op, (x, residual), out_format, fp8_cast)
+    c.check_width(x.shape[-1], "the last dim of x", per_token_groups_ok=False)
+    out = c.run(impl, (x, residual, weight), dict(eps=eps))
+    return out if c.fmt is None else (c.record(*out[:2]), out[2])
 
 
 def _check_qkv(op, q_c, kv_c, q_weight, kv_weight, eps, kv_eps):

@@ -83,6 +83,12 @@ def _rmsnorm_layout(arrays, o, fmt):
                   whole=((0, _NORMALIZED, None),))
 
 
+def _add_layout(arrays, o, fmt):
+    outs = "... d, ... d" if fmt is None else "... d, ... s, ... d"
+    return Layout(Rule(f"... d, ... d, d -> {outs}", fixed=(("d", _NORMALIZED),)),
+                  whole=((0, _NORMALIZED, None), (1, _NORMALIZED, None)))
+
+
 def _qkv_layout(arrays, o, fmt):
     outs = "... q, ... k" if fmt is None else "... q, ... s, ... k"
     return Layout(Rule(f"... q, ... k, q, k -> {outs}",
@@ -158,6 +164,7 @@ def _columns_layout(arrays, o, fmt):
 
 
 RMSNORM = Op("rmsnorm", reference.rmsnorm, _rmsnorm_layout)
+ADD_RMSNORM = Op("add_rmsnorm", reference.add_rmsnorm, _add_layout)
 FUSED_Q_KV_RMSNORM = Op("fused_q_kv_rmsnorm", reference.fused_q_kv_rmsnorm, _qkv_layout)
 MLA_Q_KV_NORM = Op("mla_q_kv_norm", reference.mla_q_kv_norm, _packed_layout)
 RMSNORM_GATED = Op("rmsnorm_gated", reference.rmsnorm_gated, _gated_layout)
@@ -165,7 +172,7 @@ SIGMOID_MUL = Op("sigmoid_mul", reference.sigmoid_mul, _columns_layout)
 QUANTIZE = Op("quantize", reference.quantize, _columns_layout)
 
 OPS: dict[str, Op] = {op.name: op for op in (
-    RMSNORM, FUSED_Q_KV_RMSNORM, MLA_Q_KV_NORM, RMSNORM_GATED, SIGMOID_MUL, QUANTIZE)}
+    RMSNORM, ADD_RMSNORM, FUSED_Q_KV_RMSNORM, MLA_Q_KV_NORM, RMSNORM_GATED, SIGMOID_MUL, QUANTIZE)}
 
 
 # ------------------------------------------------------------------------------------------------

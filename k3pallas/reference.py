@@ -13,8 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["rmsnorm", "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm_gated", "sigmoid_mul",
-           "quantize", "activation_fn"]
+__all__ = ["rmsnorm", "add_rmsnorm", "fused_q_kv_rmsnorm", "mla_q_kv_norm", "rmsnorm_gated",
+           "sigmoid_mul", "quantize", "activation_fn"]
 
 
 def _inv_rms(xf, eps):
@@ -39,6 +39,14 @@ def _out(y, dtype, fmt):
 def rmsnorm(x, weight, eps, fmt=None):
     """``x * rsqrt(mean(x**2, -1) + eps) * weight`` over the last axis."""
     return _out(_rmsnorm_f32(x, weight, eps), x.dtype, fmt)
+
+
+def add_rmsnorm(x, residual, weight, eps, fmt=None):
+    """``r = x + residual`` (float32 sum, one rounding to ``x.dtype``), then ``rmsnorm(r)`` of that
+    stored sum: ``(y, r)``, or with ``fmt`` ``(data, scale, r)``."""
+    r = (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(x.dtype)
+    y = rmsnorm(r, weight, eps, fmt)
+    return (y, r) if fmt is None else (*y, r)
 
 
 def fused_q_kv_rmsnorm(q_c, kv_c, q_weight, kv_weight, eps, kv_eps, fmt=None):

@@ -91,18 +91,21 @@ def poisoned_outputs():
     NaN, on the GPU as well as in interpret mode."""
 
     def poison(call: common.RowCall) -> common.RowCall:
-        n_in, n_out = len(call.inputs), len(call.out_shapes)
+        n_in = len(call.inputs)
         kernel = call.kernel
+        # Outputs already written over an input (the residual) keep that input's values.
+        outs = [j for j in range(len(call.out_shapes)) if j not in call.aliases.values()]
 
         def skip_poison_refs(*refs):  # the aliased poison inputs are the outputs' refs
-            kernel(*refs[:n_in], *refs[n_in + n_out:])
+            kernel(*refs[:n_in], *refs[n_in + len(outs):])
 
         return common.RowCall(
             skip_poison_refs,
-            call.inputs + [jnp.full(o.shape, v, o.dtype) for o, v in zip(call.out_shapes, call.out_poison)],
-            call.in_specs + [call.row_spec(o.shape) for o in call.out_shapes],
+            call.inputs + [jnp.full(call.out_shapes[j].shape, call.out_poison[j],
+                                    call.out_shapes[j].dtype) for j in outs],
+            call.in_specs + [call.row_spec(call.out_shapes[j].shape) for j in outs],
             call.out_shapes, call.row_spec, call.out_poison,
-            {n_in + j: j for j in range(n_out)})
+            {**call.aliases, **{n_in + k: j for k, j in enumerate(outs)}})
 
     with hooks.wrapping(poison):
         yield

@@ -171,10 +171,12 @@ SHARDED_TOKENS = (8, 512)  # 1 and 64 tokens per device
 SHARDINGS = ("shard_map", "named")
 
 
-# The config a case is sharded at: its head / column axis divisible by 8.
+# The config a case is sharded at: its head / column axis divisible by 8 (into whole blocks).
 _SHARDED_CONFIG = {"rmsnorm_gated": "kimi-linear-kda", "rmsnorm_gated_fp8_per_token": "kimi-k3-kda",
                    "sigmoid_mul_fp8_per_token": "kimi-k3-mla-out",
-                   "rmsnorm_gated_mx": "kimi-k3-kda-mxfp4"}
+                   "rmsnorm_gated_mx": "kimi-k3-kda-mxfp4",
+                   # whole groups of 128 per device: 12288 columns (1536 would leave 192)
+                   "sigmoid_mul_fp8_group": "kimi-k3-mla-out-fp8_group128"}
 # The ops whose "named" case shards axis 1 (heads of [T, H, D]; columns of [T, N]) besides the
 # tokens; the norms over their last axis shard the tokens.
 _HEAD_SHARDED_OPS = ("rmsnorm_gated", "sigmoid_mul", "quantize")

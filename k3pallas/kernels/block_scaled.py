@@ -165,14 +165,22 @@ def _rows_kernel(*refs, n_rows, rows, width, n_inputs, q, combine):
 
 
 def normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, *, in_rows, rows, col0, width,
-                            eps, q, ftz, g_ref=None, activation="sigmoid"):
+                            eps, q, ftz, g_ref=None, activation="sigmoid", res=None):
     """Columns ``col0 .. col0 + width`` of ``x_ref``'s rows (``in_rows``: ``[R]``) normalized with
     ``w_ref``, times ``act(g)`` of ``g_ref``'s same columns where one is given (the gated norm),
-    and quantized by blocks: the gated block kernel and the first segment of ``kernels.norms``."""
+    and quantized by blocks: the gated block kernel and the first segment of ``kernels.norms``.
+    ``res``: (residual ref, new residual ref): the residual is added first (``common.residual_add``:
+    the sum, rounded to x's dtype, is stored and normalized)."""
     block, per_byte = q.fmt.block, q.fmt.per_byte
     n_blocks = width // block
     trail = 2 if per_byte == 1 else 3  # the block axes of a tile
-    loaded = [(p, common.load(x_ref, p.load, p.mask),
+
+    def load_x(p):
+        x = common.load(x_ref, p.load, p.mask)
+        if res is None:
+            return x
+        return common.residual_add(x, common.load(res[0], p.load, p.mask), p.load, p.mask, res[1])
+    loaded = [(p, load_x(p),
                None if g_ref is None else common.load(g_ref, p.load, p.mask),
                common.load(w_ref, weight_index(p, block, per_byte),
                            block_mask(p, n_blocks, per_byte)))

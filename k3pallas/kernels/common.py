@@ -216,6 +216,15 @@ def store(ref, index, value, mask):
     plgpu.store(ref.at[index], value.astype(ref.dtype), mask=mask)
 
 
+def residual_add(x, r, index, mask, res_out):
+    """``x + r`` of two loaded tiles in float32, rounded once to x's dtype (the residual stream's),
+    stored to ``res_out`` at ``index``; returns it (the norm's input: the variance is that of the
+    stored sum, as vLLM's ``fused_add_rms_norm`` computes it)."""
+    s = (x.astype(jnp.float32) + r.astype(jnp.float32)).astype(x.dtype)
+    store(res_out, index, s, mask)
+    return s
+
+
 @dataclasses.dataclass
 class RowCall:
     """One launch as ``row_call`` is about to make it; a ``wrapping`` hook may change it."""
@@ -230,7 +239,7 @@ class RowCall:
 
 
 def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs, shared_inputs,
-             out_shapes, interpret: bool, out_poison=None, programs_per_block=1):
+             out_shapes, interpret: bool, out_poison=None, programs_per_block=1, aliases=None):
     """Launch ``kernel`` once over row blocks: ONE pallas_call, grid ``cdiv(n_rows, R)`` (by
     ``programs_per_block`` when several programs share a row block: ``pl.program_id(1)`` tells
     them apart; it must equal ``config.split``).
@@ -238,7 +247,8 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
     ``row_inputs`` and the arrays of ``out_shapes`` have rows as their first axis and are split
     into ``R``-row blocks; ``shared_inputs`` (weights) are whole in every program. The kernel
     receives refs in the order row inputs, shared inputs, outputs. ``out_poison``: per output, the
-    value that marks an element left unwritten (default NaN; see ``RowCall``).
+    value that marks an element left unwritten (default NaN; see ``RowCall``). ``aliases``:
+    {row input index: output index}, an output written over that input's buffer (the residual).
     """
     rows = config.rows_per_program
     if config.split != programs_per_block:  # a forced or passed-in config this kernel cannot run
@@ -261,7 +271,8 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
                       for o in out_shapes]
     call = RowCall(kernel, list(row_inputs) + list(shared_inputs),
                    [row_spec(a.shape) for a in row_inputs] + [whole_spec(a.shape) for a in shared_inputs],
-                   list(out_shapes), row_spec, list(out_poison or [float("nan")] * len(out_shapes)))
+                   list(out_shapes), row_spec, list(out_poison or [float("nan")] * len(out_shapes)),
+                   dict(aliases or {}))
     wrapper = hooks.wrapper()
     if wrapper is not None:
         call = wrapper(call)
@@ -280,4 +291,5 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
 
 __all__ = ["pow2", "pow2_parts", "tile_index", "lane_index", "row_mask", "flush_to_zero", "exp2",
            "rsqrt", "inv_rms", "row_inv_rms", "act_fn", "abs_bits", "INF_BITS", "both", "load",
-           "store", "row_call", "check_offsets", "as_rows", "RowCall", "Quant", "quant", "launch_name"]
+           "store", "row_call", "check_offsets", "as_rows", "RowCall", "Quant", "quant", "launch_name",
+           "residual_add"]

@@ -12,7 +12,9 @@ block, one doing the first segment (q) and one the others (kv, rope), still one 
   segments (no lanes wasted on the narrower tensor, unlike a grid (T, 2) with one block width);
 * ``mla_q_kv_norm``: the packed projection ``[T, 1536 + 512 + 64]``, one input, three segments at
   column offsets 0, 1536 and 2048 (q normalized, kv normalized, the rope part copied): the kernel
-  reads the packed rows directly, so no XLA slice materializes a copy before it.
+  reads the packed rows directly, so no XLA slice materializes a copy before it;
+* ``add_rmsnorm``: ``x`` and the residual, one segment normalized after the residual is added
+  (``add``): the sum is written once, over the residual's buffer, and normalized in registers.
 
 Per normalized segment: ``y = x * rsqrt(sum(x**2) / D + eps) * w`` in float32, one cast at the
 store; or, for the first segment (q) with an output format, ``y`` quantized from float32 in the
@@ -40,14 +42,18 @@ class Segment(NamedTuple):
 
 def _kernel(*refs, n_rows: int, rows: int, n_sources: int, segments: tuple[Segment, ...],
             quant: common.Quant | None, ftz: bool,
-            groups: tuple[tuple[int, ...], ...] | None = None):
+            groups: tuple[tuple[int, ...], ...] | None = None, add: bool = False):
     """``quant``: the first segment's output format (None: every segment in its input's dtype).
     ``groups``: None, every segment in each program; else the segments of the programs
-    ``pl.program_id(1) = 0, 1, ...`` of a row block (``LaunchConfig.split``)."""
+    ``pl.program_id(1) = 0, 1, ...`` of a row block (``LaunchConfig.split``). ``add``: the one
+    segment is ``x + residual`` (the last source, same columns), rounded to x's dtype and
+    written to the last output (aliased to the residual) before it is normalized."""
     n_norm = sum(s.eps is not None for s in segments)
     x_refs = refs[:n_sources]
     w_refs = iter(refs[n_sources:n_sources + n_norm])
-    o_refs = iter(refs[n_sources + n_norm:])
+    out_refs = list(refs[n_sources + n_norm:])
+    res = (x_refs[-1], out_refs.pop()) if add else None  # (residual in, new residual out)
+    o_refs = iter(out_refs)
     # Per segment: its weight ref (or None) and its output refs (the FP8 first segment: 2).
     seg_w = [next(w_refs) if s.eps is not None else None for s in segments]
     seg_o = [[next(o_refs)] + ([next(o_refs)] if i == 0 and quant is not None else [])
@@ -55,7 +61,7 @@ def _kernel(*refs, n_rows: int, rows: int, n_sources: int, segments: tuple[Segme
     pid = pl.program_id(0)
     if groups is None:
         _segments(range(len(segments)), x_refs, seg_w, seg_o, n_rows=n_rows, rows=rows,
-                  segments=segments, quant=quant, ftz=ftz, pid=pid)
+                  segments=segments, quant=quant, ftz=ftz, pid=pid, res=res)
         return
     for g, ids in enumerate(groups):
         pl.when(pl.program_id(1) == g)(functools.partial(
@@ -63,8 +69,9 @@ def _kernel(*refs, n_rows: int, rows: int, n_sources: int, segments: tuple[Segme
             quant=quant, ftz=ftz, pid=pid))
 
 
-def _segments(ids, x_refs, seg_w, seg_o, *, n_rows, rows, segments, quant, ftz, pid):
-    """Normalize (or copy) the segments ``ids`` of this program's rows (``pid``: its row block)."""
+def _segments(ids, x_refs, seg_w, seg_o, *, n_rows, rows, segments, quant, ftz, pid, res=None):
+    """Normalize (or copy) the segments ``ids`` of this program's rows (``pid``: its row block);
+    ``res``: (residual ref, new residual ref) of the residual add (``_kernel``'s ``add``)."""
     in_rows = common.row_mask(n_rows, rows, 2, pid)
     # The first segment in a block format: read in blocks (block_scaled).
     blocks_first = quant is not None and quant.fmt.block is not None and 0 in ids
@@ -79,6 +86,8 @@ def _segments(ids, x_refs, seg_w, seg_o, *, n_rows, rows, segments, quant, ftz, 
         mask = common.both(in_rows, lanes)
         src_index = index if seg.start == 0 else (index[0], index[1] + seg.start)
         x = common.load(x_refs[seg.source], src_index, mask)
+        if res is not None:
+            x = common.residual_add(x, common.load(res[0], src_index, mask), index, mask, res[1])
         w = None
         if seg.eps is not None:
             w_index, w_lanes = common.lane_index(seg.width)
@@ -88,7 +97,7 @@ def _segments(ids, x_refs, seg_w, seg_o, *, n_rows, rows, segments, quant, ftz, 
         seg = segments[0]
         block_scaled.normalized_blocks_store(
             x_refs[seg.source], seg_w[0], *seg_o[0], in_rows=common.row_mask(n_rows, rows, 1, pid),
-            rows=rows, col0=seg.start, width=seg.width, eps=seg.eps, q=quant, ftz=ftz)
+            rows=rows, col0=seg.start, width=seg.width, eps=seg.eps, q=quant, ftz=ftz, res=res)
     for i, index, mask, x, w in tiles:
         seg = segments[i]
         if i == 0 and quant is not None:  # the first segment per token: codes and a scale per row
@@ -107,6 +116,15 @@ def _segments(ids, x_refs, seg_w, seg_o, *, n_rows, rows, segments, quant, ftz, 
         common.store(seg_o[i][0], index, x, mask)
 
 
+def _add_aliases(q, n_outs):
+    """The residual add's buffers, as vLLM's ``fused_add_rms_norm`` updates both in place: the new
+    residual over the residual; an unquantized output over ``x`` (a quantized one has another
+    shape or dtype). With both donated under ``jit`` the launch needs no new buffer; jax pairs a
+    donated input with the FIRST output of its shape and dtype, so donating the residual alone
+    pairs it with ``y`` and XLA copies it (docs/residual.md)."""
+    return {1: n_outs - 1} if q is not None else {0: 0, 1: n_outs - 1}
+
+
 def row_elems(widths: Sequence[int]) -> tuple[int, int]:
     """(padded elements per row over all segments, padded width of the widest segment)."""
     padded = [common.pow2(w) for w in widths]
@@ -115,15 +133,20 @@ def row_elems(widths: Sequence[int]) -> tuple[int, int]:
 
 def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
                   weights: Sequence[jax.Array], *, key: str, q: common.Quant | None,
-                  interpret: bool, target, config: launch.LaunchConfig | None = None):
+                  interpret: bool, target, config: launch.LaunchConfig | None = None,
+                  add: bool = False):
     """Normalize (or copy) ``segments`` of the 2-D row-aligned inputs ``xs [T, *]``.
 
     ``weights``: one ``[width]`` array per normalized segment, in segment order. Returns one
     ``[T, width]`` array per segment, in its source's dtype; with ``q``, the first segment (which
     must be normalized: ValueError if its ``eps`` is None) instead in ``q``'s format: codes
     ``[T, width]`` and scales ``[T, groups]`` (two results). ``key`` names the launch and picks
-    its launch config for ``target``.
+    its launch config for ``target``. ``add``: one segment of ``xs[0]``, normalized after
+    ``xs[1]`` (the residual, same shape and dtype) is added to it; the sum comes last, written
+    over the residual's buffer, an unquantized output over ``xs[0]``'s (``_add_aliases``).
     """
+    if add and (len(xs) != 2 or len(segments) != 1):
+        raise ValueError("the residual add takes two inputs (x, residual) and one segment")
     n_rows = xs[0].shape[0]
     segments = tuple(Segment(s.source, s.start, s.width, None if s.eps is None else float(s.eps))
                      for s in segments)
@@ -132,12 +155,14 @@ def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
 
     splits = (2,) if len(segments) > 1 else ()  # the first segment, and the others
     if config is None:
-        config = launch.launch_config(key, n_rows, *row_elems([s.width for s in segments]),
-                                      target=target, splits=splits)
+        widths = [s.width for s in segments] * (2 if add else 1)  # add: two loads per element
+        config = launch.launch_config(key, n_rows, *row_elems(widths), target=target,
+                                      splits=splits)
     groups = ((0,), tuple(range(1, len(segments)))) if config.split in splits else None
     kernel = functools.partial(_kernel, n_rows=n_rows, rows=config.rows_per_program,
                                n_sources=len(xs), segments=segments, quant=q,
-                               ftz=common.flush_to_zero(target, interpret), groups=groups)
+                               ftz=common.flush_to_zero(target, interpret), groups=groups,
+                               add=add)
     outs = [jax.ShapeDtypeStruct((n_rows, s.width), xs[s.source].dtype) for s in segments]
     poison = [float("nan")] * len(outs)
     blocks = q is not None and q.fmt.block is not None
@@ -145,10 +170,14 @@ def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
         outs[:1], poison[:1] = block_scaled.outputs((n_rows,), segments[0].width, q)
     elif q is not None:  # the first segment's output: codes and a scale per row
         outs[:1], poison[:1] = row_scaled.outputs(outs[0].shape, n_rows, q, "dynamic", None)
+    if add:  # the new residual, in the residual's buffer
+        outs.append(jax.ShapeDtypeStruct(xs[1].shape, xs[1].dtype))
+        poison.append(float("nan"))
     result = common.row_call(
         kernel, name=f"k3pallas_{key}", n_rows=n_rows, config=config, row_inputs=list(xs),
         shared_inputs=list(weights), out_shapes=outs, interpret=interpret, out_poison=poison,
-        programs_per_block=1 if groups is None else len(groups))
+        programs_per_block=1 if groups is None else len(groups),
+        aliases=_add_aliases(q, len(outs)) if add else None)
     if blocks:
         result = [*block_scaled.results(*result[:2], q, segments[0].width), *result[2:]]
     elif q is not None:
@@ -211,5 +240,15 @@ def mla_q_kv_norm(a, wq, wkv, *, op, fmt, cast, q_size, kv_size, eps, kv_eps, in
     return _quantized(outs, _lead(a), q_size, q)
 
 
+def add_rmsnorm(x, r, w, *, op, fmt, cast, eps, interpret, target, reduce_axes):
+    """``x + r`` (rounded to the dtype) normalized: ``(y, new r)`` or with ``fmt``
+    ``(codes, scales [..., G], new r)``; the new residual written over ``r``'s buffer."""
+    q = common.quant(fmt, cast, interpret=interpret, target=target)
+    outs = segments_rows([common.as_rows(x, 1), common.as_rows(r, 1)],
+                         [Segment(0, 0, x.shape[-1], eps)], [w], key=common.launch_name(op, fmt),
+                         q=q, interpret=interpret, target=target, add=True)
+    return _quantized(outs, _lead(x), x.shape[-1], q)
+
+
 # The op entries (``k3pallas.kernels.entry``), each named after its op.
-ENTRIES = (rmsnorm, fused_q_kv_rmsnorm, mla_q_kv_norm)
+ENTRIES = (rmsnorm, fused_q_kv_rmsnorm, mla_q_kv_norm, add_rmsnorm)
