@@ -86,8 +86,23 @@ _KDA = {"kimi-linear-kda": dict(heads=32, dim=128),
 _MLA_OUT = {"kimi-k3-mla-out-tp8": dict(n=12 * 128),  # one rank of TP8
             "kimi-k3-mla-out": dict(n=96 * 128)}
 _QKV_SIZES = {**_MLA, "test": dict(dq=64, dkv=16, rope=3)}
+# The residual add + norm before attention and before the MLP: DeepSeek-V3 / Kimi-K2 / K3's hidden
+# size, and 4096 (Llama-3-8B, Qwen3-8B).
+_HIDDEN = {"deepseek-v3-hidden": dict(d=7168), "hidden-4096": dict(d=4096)}
 _FP8 = "fp8_per_token"
 _GROUP = ("fp8_group128", "fp8_group128_ue8m0")
+
+
+def _add_example(t, dt, d):
+    """x (the sublayer's output), the residual and the weight (the residual add + norm)."""
+    return (S((t, d), dt), S((t, d), dt), S((d,), dt)), {}
+
+
+def _add_unfused(impl, x, r, w, out_format=None):
+    """XLA's add (the new residual written), then the k3pallas norm reading it again."""
+    r = x + r
+    y = kp.rmsnorm(r, w, out_format=out_format, impl=impl)
+    return y, r
 
 
 def _qkv_example(t, dt, dq, dkv, rope):
@@ -172,7 +187,11 @@ _CASES = [
             _gated_example),
     BenchOp("sigmoid_mul", None, {"kimi-k3-mla-out-tp8": _MLA_OUT["kimi-k3-mla-out-tp8"],
                                   "test": dict(n=96)}, _cols_example(2)),
+    BenchOp("add_rmsnorm", None, {**_HIDDEN, "test": dict(d=64)}, _add_example,
+            unfused=_add_unfused),
     # Per-token FP8.
+    BenchOp("add_rmsnorm", _FP8, {**_HIDDEN, "test": dict(d=64)}, _formatted(_add_example, _FP8),
+            unfused=_add_unfused),
     BenchOp("rmsnorm_gated", _FP8, {**_KDA, "test": dict(heads=3, dim=32)},
             _formatted(_gated_example, _FP8), unfused=_gated_unfused),
     BenchOp("quantize", _FP8, {"kimi-linear-kda": dict(n=32 * 128), "test": dict(n=64)},  # o_proj in
@@ -206,6 +225,9 @@ _CASES = [
             _formatted(lambda t, dt, d: ((S((t, d), dt), S((d,), dt)), {})),
             unfused=lambda impl, x, w, out_format: _quantized(kp.rmsnorm(x, w, impl=impl),
                                                                out_format, impl)),
+    BenchOp("add_rmsnorm", "mx", {**_mx_sizes({"deepseek-v3-hidden": dict(d=7168)}, ("mxfp8", "mxfp4")),
+                                  "test": dict(d=64, fmt="mxfp8")},
+            _formatted(_add_example), unfused=_add_unfused),
     # Group-scaled FP8 (fp8_group128 / fp8_group128_ue8m0 by the config), at the per-token cases'
     # shapes (the comparison the format is held to); unfused: the op's bf16 result, then the
     # k3pallas group quantization.
@@ -225,6 +247,9 @@ _CASES = [
     BenchOp("mla_q_kv_norm", "fp8_group",
             {**_mx_sizes(_MLA, _GROUP), "test": dict(dq=256, dkv=16, rope=3, fmt=_GROUP[0])},
             _formatted(_packed_example), unfused=_q_unfused(kp.mla_q_kv_norm)),
+    BenchOp("add_rmsnorm", "fp8_group", {**_mx_sizes({"deepseek-v3-hidden": dict(d=7168)}, _GROUP),
+                                         "test": dict(d=256, fmt=_GROUP[0])},
+            _formatted(_add_example), unfused=_add_unfused),
     BenchOp("rmsnorm", "fp8_group", {**_mx_sizes({"deepseek-v3-mla": dict(d=1536)}, _GROUP),
                                      "test": dict(d=128, fmt=_GROUP[1])},
             _formatted(lambda t, dt, d: ((S((t, d), dt), S((d,), dt)), {})),

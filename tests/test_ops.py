@@ -54,6 +54,11 @@ def tokens(rng, shape, dtype, specials=True):
     return jnp.asarray(x, dtype)
 
 
+def rounded(v64, dtype):
+    """float64 values rounded once to ``dtype`` (ml_dtypes: round to nearest even)."""
+    return np.asarray(v64).astype(jnp.dtype(dtype)).astype(np.float64)
+
+
 def weight(rng, n, dtype="float32"):
     return jnp.asarray(rng.uniform(0.2, 2.0, n), dtype)
 
@@ -90,6 +95,14 @@ CASES = {
         lambda a, fmt, impl, **kw: kp.rmsnorm(*a, 1e-6, out_format=fmt, impl=impl, **kw),
         lambda a: (rmsnorm64(a[0], a[1], 1e-6),),
         lambda rng, dt: (tokens(rng, (T, 384), dt), weight(rng, 384, dt))),
+    # The residual add: x and the residual (specials in x only), the sum rounded to the dtype.
+    "add_rmsnorm": Case(
+        lambda rng, dt: (tokens(rng, (T, 96), dt), tokens(rng, (T, 96), dt, specials=False),
+                         weight(rng, 96, dt)),
+        lambda a, fmt, impl, **kw: kp.add_rmsnorm(*a, 1e-6, out_format=fmt, impl=impl, **kw),
+        lambda a: (lambda r: (rmsnorm64(r, a[2], 1e-6), r))(rounded(f64(a[0]) + f64(a[1]), a[0].dtype)),
+        lambda rng, dt: (tokens(rng, (T, 384), dt), tokens(rng, (T, 384), dt, specials=False),
+                         weight(rng, 384, dt))),
     "fused_q_kv_rmsnorm": Case(
         lambda rng, dt: (*_qkv(rng, dt, 0)[:2], weight(rng, 96, dt), weight(rng, 40)),
         lambda a, fmt, impl, **kw: kp.fused_q_kv_rmsnorm(*a, 1e-6, kv_eps=1e-5, out_format=fmt,
@@ -212,3 +225,44 @@ def test_a_nan_changes_no_other_token(rng, op):
     assert np.array_equal(np.asarray(dirty.data).view(np.uint8)[others],
                           np.asarray(ok.data).view(np.uint8)[others])
     assert np.array_equal(np.asarray(dirty.scale)[others], np.asarray(ok.scale)[others])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rmsnorm_residual_is_the_rounded_sum(rng, dtype):
+    """The new residual is the float32 sum rounded once to the dtype, bit for bit as the
+    reference and within the dtype's rounding of the float64 sum; and the norm is that of the
+    stored sum (as vLLM's ``fused_add_rms_norm``), not of the unrounded one."""
+    case = CASES["add_rmsnorm"]
+    x, r, w = case.make(rng, dtype)
+    for fmt in (None, "e4m3fn"):
+        f = FORMATS[fmt]
+        y, new = jax.jit(lambda *a: kp.add_rmsnorm(*a, out_format=f, impl="interpret"))(x, r, w)
+        y_ref, new_ref = kp.add_rmsnorm(x, r, w, out_format=f, impl="reference")
+        assert new.dtype == r.dtype and np.array_equal(np.asarray(new, np.float64),
+                                                       np.asarray(new_ref, np.float64), equal_nan=True)
+    want = rounded(f64(x) + f64(r), dtype)
+    np.testing.assert_array_equal(f64(new), want)
+    y_plain = kp.rmsnorm(new, w, 1e-6, impl="interpret")
+    y_fused = kp.add_rmsnorm(x, r, w, 1e-6, impl="interpret")[0]
+    assert np.array_equal(np.asarray(y_plain, np.float64), np.asarray(y_fused, np.float64), equal_nan=True)
+
+
+def test_add_rmsnorm_updates_the_residual_in_place():
+    """The kernel writes the new residual over the residual's buffer and an unquantized output
+    over x's (``input_output_aliases``, as vLLM updates both): under jit with both donated the
+    compiled module aliases them (x -> y, residual -> new residual); a quantized output leaves
+    x alone and the residual alone is donated."""
+    import re
+
+    x, r, w = jnp.ones((64, 256), jnp.bfloat16), jnp.ones((64, 256), jnp.bfloat16), jnp.ones(256)
+
+    def aliases(fn, donate):
+        head = jax.jit(fn, donate_argnums=donate).lower(x, r, w).compile().as_text().splitlines()[0]
+        return sorted(re.findall(r"\{(\d+)\}: \((\d+), \{\}", head))
+    assert aliases(lambda *a: kp.add_rmsnorm(*a, impl="interpret"), (0, 1)) == [("0", "0"), ("1", "1")]
+    assert aliases(lambda *a: kp.add_rmsnorm(*a, out_format="fp8_per_token", impl="interpret"),
+                   (1,)) == [("2", "1")]
+    with pytest.raises(ValueError, match="add_rmsnorm: residual must have the shape and dtype of x"):
+        kp.add_rmsnorm(x, r.astype(jnp.float32), w)
+    with pytest.raises(ValueError, match="add_rmsnorm: residual must have the shape and dtype of x"):
+        kp.add_rmsnorm(x, r[:3], w)

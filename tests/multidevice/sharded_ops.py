@@ -90,6 +90,28 @@ def test_norms_token_sharded(mesh, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt", [None, "fp8_per_token", "mxfp4"])
+def test_add_rmsnorm_token_sharded(mesh, impl, fmt):
+    """The residual add + norm over tokens (the new residual sharded like the residual, nothing
+    gathered; equal to the unsharded op, inside shard_map too); the hidden axis may not be
+    sharded (a clear error, eagerly and under jit)."""
+    x, r, w = rand(70, (128, 256), scale=2), rand(71, (128, 256)), rand(72, (256,))
+    fn = lambda x, r, w: kp.add_rmsnorm(x, r, w, out_format=fmt, impl=impl)  # noqa: E731
+    out = check(mesh, fn, (x, r, w), [TOKENS, TOKENS, ()], expect_all_reduce=False,
+                what=f"add_rmsnorm {fmt}", exact=impl != "reference")
+    assert out[1].sharding.spec[0] == ("dp", "tp")
+    if impl == "reference":  # the norms' kernels in interpret mode inside shard_map: jax (0.12)
+        # refuses their masked loads ("gather requires varying manual axes to match"), rmsnorm's
+        # as well; compiled, the ROCm gate runs every op in shard_map (docs/sharding.md)
+        smap = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(TOKENS[0]), P(TOKENS[0]), P()),
+                                     out_specs=P(TOKENS[0])))
+        same(smap(x, r, w), fn(x, r, w), f"add_rmsnorm {fmt} in shard_map", exact=False)
+    xs, rs = put(mesh, x, None, ("dp", "tp")), put(mesh, r, None, ("dp", "tp"))
+    with pytest.raises(ValueError, match="normalized"):
+        fn(xs, rs, w)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("rope", [7, 0])
 def test_mla_token_sharded(mesh, impl, rope):
     a = rand(4, (64, 96 + 32 + rope), scale=2)
