@@ -4,7 +4,7 @@
 # tests, headline benchmark, one archive).
 # One GPU-machine session: GPU tests, a trace sample, the benchmark and the launch-config sweep,
 # all written under $OUT (the device tool brings that folder back). Usage, on the GPU machine:
-#   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded] [ncu]
+#   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded] [peers] [ncu]
 # ncu: NCU_CASES="OP:CONFIG:T ..."
 # (Nsight Compute on each case's first kernel launch, bench.inspection.profile_cases; all into ncu.txt).
 # tests: ~400 s on the H200 (182 GPU tests; 86 s with pytest-xdist), bench ~400 s: two calls.
@@ -39,6 +39,10 @@ for step in $steps; do
            echo "ncu $c: rc $?"
          done ;;
     sharded) timeout ${SHARDED_TIMEOUT:-300} python3 -m bench.inspection.sharded --out "$OUT" 2>"$OUT/sharded.log" | tail -30 ;;
+    # The residual add + norm beside Liger's and flash-linear-attention's (their wheels in .whl:
+    # carry it; installed under /tmp/site with the image's torch and triton).
+    peers) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/liger_kernel-*.whl .whl/fla_core-*.whl \
+             && PYTHONPATH="$PYTHONPATH:/tmp/site" timeout ${PEERS_TIMEOUT:-300} python3 -m bench.inspection.beside_add_norm --out "$OUT" 2>"$OUT/peers.log" | tail -30 ;;
   esac
   echo "== $step took $(( $(date +%s) - start )) s"
 done

@@ -5,7 +5,7 @@ here: the model shapes up to T = 131072 against the jnp reference and, on sample
 float64 oracle; two runs bit-identical; NaN-poisoned outputs fully written; every tuned decode
 launch config; the FP8 conversion paths on the device; the consumers' compiled HLO (a vendor FP8
 GEMM; ``jax.nn.scaled_matmul``); the Kimi-K3 blocks; shard_map and NamedSharding on the GPUs
-there are; 2**21 rows of width 2048 (64-bit offsets)."""
+there are; 2**21 rows of width 2048 (64-bit offsets); the residual add + norm, in place."""
 
 from __future__ import annotations
 
@@ -157,6 +157,45 @@ def test_columns(rng, t, n, fmt):
         d, s = _compat.jax_mx_quantize(x.astype(jnp.float32), formats.as_format(fmt).dtype)
         assert np.array_equal(codes_bytes(qa.data), codes_bytes(d))
         assert np.array_equal(codes_bytes(qa.scale), codes_bytes(s))
+
+
+@pytest.mark.parametrize("t", [1, 7, 4096, 65536])
+@pytest.mark.parametrize("d", [7168, 4096])
+@pytest.mark.parametrize("fmt", [None, "fp8_per_token", "mxfp8", "fp8_group128"])
+def test_add_rmsnorm(rng, t, d, fmt):
+    """The residual add + norm at DeepSeek-V3's hidden size and 4096: the new residual bit for bit
+    the reference's (the float32 sum rounded once), the output against the float64 oracle of the
+    rounded sum on sampled rows (every row against the reference unquantized)."""
+    if t == 65536 and fmt not in (None, "fp8_group128"):
+        pytest.skip("the largest T: unquantized and group FP8")
+    x, r = _rand(rng, (t, d), scale=2.0), _rand(rng, (t, d))
+    w = _rand(rng, (d,), scale=0.5) + 1
+    y, new = _compiled_twice_and_poisoned(
+        lambda *a: kp.add_rmsnorm(*a, out_format=fmt, impl="pallas"), x, r, w)
+    y_ref, new_ref = jax.jit(lambda *a: kp.add_rmsnorm(*a, out_format=fmt, impl="reference"))(x, r, w)
+    assert np.array_equal(codes_bytes(new), codes_bytes(new_ref))
+    rows = _rows(rng, t)
+    r64 = f64(np.asarray(new)[rows])
+    y64 = rmsnorm64(r64, w, 1e-6)
+    if fmt is None:
+        assert_close(np.asarray(y)[rows], y64, ORACLE_TOL["bfloat16"], "y vs oracle")
+        assert_close(y, y_ref, REFERENCE_TOL["bfloat16"], "y vs reference")
+    else:
+        check_quantized(_sampled(y, rows), y64, f"add_rmsnorm {fmt}")
+
+
+@pytest.mark.parametrize("fmt", [None, "fp8_per_token"])
+def test_add_rmsnorm_in_place_on_the_device(rng, fmt):
+    """Under jit with the residual (and, unquantized, x) donated, the compiled module launches
+    the one kernel and copies nothing: the new residual is written over the old one."""
+    x, r, w = (_rand(rng, (4096, 7168)), _rand(rng, (4096, 7168)), _rand(rng, (7168,)))
+    donate = (1,) if fmt else (0, 1)
+    fn = jax.jit(lambda *a: kp.add_rmsnorm(*a, out_format=fmt, impl="pallas"), donate_argnums=donate)
+    text = fn.lower(x, r, w).compile().as_text()
+    assert dict(hlo.data_moving_ops(text)) == {"custom-call": 1}, hlo.entry_instructions(text)
+    want = kp.add_rmsnorm(x, r, w, out_format=fmt, impl="reference")[1]
+    got = fn(jnp.array(x), jnp.array(r), w)[1]
+    assert np.array_equal(codes_bytes(got), codes_bytes(want))
 
 
 def test_unquantized_rmsnorm_and_sigmoid_mul(rng):
@@ -397,6 +436,8 @@ def test_model_blocks(rng):
         assert r[key]["group_vs_f32"] < 0.06
     for key in ("mla_out_12x128", "mla_out_96x128"):
         assert r[key]["group_vs_bf16"] < 0.06
+    assert r["decoder_attention_in"]["q"] < 1e-2 and r["decoder_attention_in"]["residual"] == 0
+    assert r["mlp_in_group_tp8"]["act_vs_bf16"] < 0.08 and r["mlp_in_group_tp8"]["residual"] == 0
 
 
 def test_inside_shard_map_and_with_shardings(rng):

@@ -13,6 +13,10 @@
   weight, the layout of the block-FP8 checkpoints (``kda_out_group`` / ``mla_out_group``; the
   front-end's q_b with ``q_group=True``).
 
+The decoder layer's residual adds: ``decoder_attention_in`` (the residual add and input norm in
+one launch, then the front-end) and ``mlp_in`` (the residual add, post-attention norm and group
+FP8 in one launch, then DeepSeek-V3's block-FP8 gate / up projections at TP8).
+
 Each has a bf16 reference path (slices and jnp norms; ``rmsnorm_gated`` in bf16 and a bf16
 o_proj). ``python -m k3pallas.models.kimi_k3`` runs them and prints the relative error of each
 path against its reference (and, for scale, of the bf16 path against float32).
@@ -46,6 +50,9 @@ class Config:
     kda_heads: int = 96
     kda_head_dim: int = 128
     kda_eps: float = 1e-5
+    rms_eps: float = 1e-6  # the decoder layer's input and post-attention norms
+    mlp_inter: int = 18432  # DeepSeek-V3's dense MLP (its first 3 layers); 2304 per TP8 rank
+    tp: int = 1  # tensor-parallel ranks the MLP's intermediate size is split over
 
     @property
     def qkv_a_width(self) -> int:
@@ -53,7 +60,7 @@ class Config:
 
 
 KIMI_K3 = Config()
-KIMI_K3_TP8 = dataclasses.replace(KIMI_K3, kda_heads=12)  # one rank's KDA heads at TP8
+KIMI_K3_TP8 = dataclasses.replace(KIMI_K3, kda_heads=12, tp=8)  # one rank's KDA heads at TP8
 
 
 def _dense(key, fan_in, fan_out, dtype):
@@ -66,9 +73,10 @@ def _dense(key, fan_in, fan_out, dtype):
 
 
 def init_mla_front(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16, fp8_dtype=None) -> dict:
-    k = jax.random.split(key, 4)
+    k = jax.random.split(key, 5)
     w_q_b = _dense(k[3], cfg.q_lora_rank, cfg.mla_heads * (cfg.nope_dim + cfg.rope_dim), dtype)
     return {
+        "input_norm": (1 + 0.1 * jax.random.normal(k[4], (cfg.hidden,))).astype(dtype),
         "w_qkv_a": _dense(k[0], cfg.hidden, cfg.qkv_a_width, dtype),
         "q_norm": (1 + 0.1 * jax.random.normal(k[1], (cfg.q_lora_rank,))).astype(dtype),
         "kv_norm": (1 + 0.1 * jax.random.normal(k[2], (cfg.kv_lora_rank,))).astype(dtype),
@@ -155,6 +163,51 @@ def mla_front(params: dict, x, *, cfg: Config = KIMI_K3, impl: str = "auto", q_f
         q_c, kv_c, k_pe = kp.mla_q_kv_norm(*norm_args, **sizes)
         q = jnp.dot(q_c, params["w_q_b"], preferred_element_type=jnp.float32).astype(x.dtype)
     return q.reshape(x.shape[0], cfg.mla_heads, cfg.nope_dim + cfg.rope_dim), kv_c, k_pe
+
+
+def decoder_attention_in(params: dict, x, residual, *, cfg: Config = KIMI_K3, impl: str = "auto",
+                         q_group: bool = False):
+    """The decoder layer's way into attention: ``residual = x + residual`` and its input norm in
+    ONE launch (``add_rmsnorm``: the new residual written over the old one's buffer), then the
+    MLA front-end (``mla_front``) on the normalized hidden state. ``x``: the previous layer's
+    output (the embeddings' zeros for the first), ``[T, hidden]``. Returns ``(q, kv_c, k_pe,
+    residual)``. ``impl="reference"``: XLA's add and norm, then the reference front-end."""
+    h, residual = kp.add_rmsnorm(x, residual, params["input_norm"], cfg.rms_eps, impl=impl)
+    return (*mla_front(params, h, cfg=cfg, impl=impl, q_group=q_group), residual)
+
+
+# ------------------------------------------------------------------------------------------------
+# MLP input (DeepSeek-V3 dense MLP, block-FP8 as its checkpoints store it)
+# ------------------------------------------------------------------------------------------------
+
+
+def init_mlp_in(key, cfg: Config = KIMI_K3, dtype=jnp.bfloat16, fp8_dtype=None) -> dict:
+    """The post-attention norm and the gate and up projections ``[hidden, 2 * inter / tp]`` in
+    bf16 and as a 128 x 128 block-FP8 weight (the layout of the DeepSeek-V3 / Kimi-K2 FP8
+    checkpoints)."""
+    k = jax.random.split(key, 2)
+    w = _dense(k[1], cfg.hidden, 2 * cfg.mlp_inter // cfg.tp, dtype)
+    return {"post_attention_norm": (1 + 0.1 * jax.random.normal(k[0], (cfg.hidden,))).astype(dtype),
+            "w_gate_up": w, "w_gate_up_group": kp.quantize_weight(w, kp.Fp8Group(fp8_dtype))}
+
+
+def mlp_in(params: dict, attn_out, residual, *, cfg: Config = KIMI_K3, impl: str = "auto",
+           out_dtype=jnp.bfloat16):
+    """``residual = attn_out + residual``, its post-attention norm and the group-FP8 quantization
+    of the result in ONE launch (``add_rmsnorm`` with the weight's format), then the block-FP8
+    gate and up projections (``linear``) and SiLU-and-mul: ``(act [T, inter / tp], residual)``.
+    ``impl="reference"``: the bf16 path (XLA's add and norm, a bf16 GEMM)."""
+    if impl == "reference":
+        h, residual = kp.add_rmsnorm(attn_out, residual, params["post_attention_norm"],
+                                     cfg.rms_eps, impl="reference")
+        gate_up = jnp.dot(h, params["w_gate_up"], preferred_element_type=jnp.float32)
+    else:
+        w = params["w_gate_up_group"]
+        qa, residual = kp.add_rmsnorm(attn_out, residual, params["post_attention_norm"],
+                                      cfg.rms_eps, out_format=w.format, impl=impl)
+        gate_up = kp.linear(qa, w, out_dtype=jnp.float32)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return (jax.nn.silu(gate) * up).astype(out_dtype), residual
 
 
 # ------------------------------------------------------------------------------------------------
@@ -256,6 +309,22 @@ def run(tokens: int = 64, impl: str = "auto", seed: int = 0, cfg: Config = KIMI_
     log(f"MLA front-end with FP8 q (q_b as an FP8 matmul): rel. error of q vs the bf16 path "
         f"{results['mla_front']['q_fp8_vs_bf16']:.2e}; with group FP8 (block-FP8 q_b) "
         f"{results['mla_front']['q_group_vs_bf16']:.2e}")
+    r0 = jax.random.normal(keys[5], (tokens, cfg.hidden), jnp.float32).astype(bf)
+    got = jax.jit(lambda p, x, r: decoder_attention_in(p, x, r, cfg=cfg, impl=impl))(mla, x, r0)
+    want = jax.jit(lambda p, x, r: decoder_attention_in(p, x, r, cfg=cfg, impl="reference"))(mla, x, r0)
+    results["decoder_attention_in"] = {"q": rel_error(got[0], want[0]),
+                                       "residual": rel_error(got[3], want[3])}
+    log(f"decoder layer into attention (residual add + input norm, one launch; then the front-end): "
+        f"rel. error vs the reference path: q {results['decoder_attention_in']['q']:.2e}, "
+        f"residual {results['decoder_attention_in']['residual']:.2e}")
+    tp8 = dataclasses.replace(cfg, tp=8)
+    mlp = init_mlp_in(keys[6], tp8)
+    a, b = jax.jit(lambda p, x, r: mlp_in(p, x, r, cfg=tp8, impl=impl))(mlp, x, r0)
+    a_r, b_r = jax.jit(lambda p, x, r: mlp_in(p, x, r, cfg=tp8, impl="reference"))(mlp, x, r0)
+    results["mlp_in_group_tp8"] = {"act_vs_bf16": rel_error(a, a_r), "residual": rel_error(b, b_r)}
+    log(f"MLP input at TP8 (residual add + norm + group FP8 in one launch, block-FP8 gate/up): rel. "
+        f"error vs the bf16 path {results['mlp_in_group_tp8']['act_vs_bf16']:.2e}, residual "
+        f"{results['mlp_in_group_tp8']['residual']:.2e}")
     for i, heads in enumerate(kda_heads):
         params = init_mla_out(keys[4 + i], cfg, heads=heads)
         k = jax.random.split(keys[7 - i % 2], 2)

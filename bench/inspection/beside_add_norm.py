@@ -1,0 +1,163 @@
+"""``python -m bench.inspection.beside_add_norm --out DIR``: k3pallas's ``add_rmsnorm`` (the
+residual add fused into RMSNorm) timed beside the PyTorch peers that fuse the same two steps,
+in ONE process with ONE clock: Liger's ``fused_add_rms_norm_forward`` and flash-linear-attention's
+``layer_norm_fwd`` (RMSNorm with a residual, its ``prenorm`` path), plus XLA's fusion of the jnp
+code and the copy ceiling (read two tensors, write two).
+
+Every variant writes the normalized ``y`` and the new residual ``x + r``; each peer is checked
+against a float64 NumPy oracle first (bf16 output: 2**-7 relative; the residual exact). Device
+time from ``jax.profiler`` events (``bench.timing``; CUPTI records the torch kernels too), per
+call over ``--calls`` calls cycling through input sets (3x the L2 where a set is small). The
+peers are not dependencies of k3pallas: they travel to the H200 as wheels (``.whl``, the device
+tool's README), with torch and triton from the image. Writes ``beside_add_norm.md`` / ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import k3pallas  # noqa: E402
+from bench import ops as bench_ops, timing  # noqa: E402
+from bench.report import write_report  # noqa: E402
+
+EPS = 1e-6
+
+
+def _peers():
+    """{name: (run(x, r, w) -> (y, new_r), kernel-name fragment)} of the peers that import."""
+    peers = {}
+    try:
+        from liger_kernel.ops.fused_add_rms_norm import fused_add_rms_norm_forward
+
+        def liger(x, r, w):
+            y, s, *_ = fused_add_rms_norm_forward(x, r, w, EPS, 0.0, "llama")
+            return y, s
+        peers["liger"] = (liger, "fused_add_rms_norm")
+    except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
+        print(f"liger: {type(e).__name__}: {e}", file=sys.stderr)
+    try:
+        from fla.modules.norm.layernorm import layer_norm_fwd
+
+        def fla(x, r, w):
+            y, _, _, res = layer_norm_fwd(x, w, None, EPS, residual=r, is_rms_norm=True)
+            return y, res
+        peers["fla"] = (fla, "layer_norm_fwd")
+    except Exception as e:  # noqa: BLE001
+        print(f"fla: {type(e).__name__}: {e}", file=sys.stderr)
+    return peers
+
+
+def _check(run, x, r, w):
+    """A peer against the float64 oracle: the residual the rounded sum, y within bf16."""
+    import torch
+
+    y, s = run(x, r, w)
+    torch.cuda.synchronize()
+    s64 = (x.double() + r.double()).bfloat16().double().cpu().numpy()
+    np.testing.assert_array_equal(s.double().cpu().numpy(), s64)
+    w64 = w.double().cpu().numpy()
+    want = s64 / np.sqrt((s64 * s64).mean(-1, keepdims=True) + EPS) * w64
+    np.testing.assert_allclose(y.double().cpu().numpy(), want, rtol=2**-7, atol=2**-7)
+
+
+def _spread(us):
+    us = sorted(us)
+    n = len(us)
+    return {"p10": us[n // 10], "median": statistics.median(us), "p90": us[(9 * n) // 10]}
+
+
+def _torch_us(run, name, sets, w, calls):
+    import torch
+
+    events = timing.traced_events(lambda x, r: run(x, r, w), sets, calls, 3,
+                                  sync=lambda _: torch.cuda.synchronize())
+    ev = [e for e in events if name in e.name]
+    if len(ev) != calls:
+        raise RuntimeError(f"{len(ev)} events of {name} for {calls} calls")
+    return [e.duration_ns / 1e3 for e in ev]
+
+
+def _jax_us(fn, sets, calls):
+    events = timing.traced_events(fn, sets, calls, 3)
+    ns, k = timing.per_call_times(events, calls)
+    return [x / 1e3 for x in ns], k
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.inspection.beside_add_norm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", default="7168,4096")
+    p.add_argument("--tokens", default="1,8,64,256,1024,4096,16384,65536")
+    p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--out", default=os.path.join("bench", "out"))
+    args = p.parse_args(argv)
+    import torch
+
+    peers = _peers()
+    target = k3pallas.current_target()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for d in (int(v) for v in args.hidden.split(",")):
+        tw = torch.randn(d, device="cuda", generator=gen).bfloat16()
+        jw = jnp.asarray(tw.float().cpu().numpy(), jnp.bfloat16)
+        ours = jax.jit(lambda x, r: k3pallas.add_rmsnorm(x, r, jw, EPS, impl="pallas"))
+        xla = jax.jit(lambda x, r: k3pallas.add_rmsnorm(x, r, jw, EPS, impl="reference"))
+        for t in (int(v) for v in args.tokens.split(",")):
+            nbytes = 4 * t * d * 2  # read x and r, write y and the new residual
+            n_sets = bench_ops.rotation_sets(2 * t * d * 2, bench_ops.cache_bytes(target), 16)
+            key = jax.random.PRNGKey(t)
+            jsets = [tuple(jax.random.normal(jax.random.fold_in(key, 2 * s + i), (t, d), jnp.bfloat16)
+                           for i in range(2)) for s in range(n_sets)]
+            tsets = [tuple(torch.randn(t, d, device="cuda", generator=gen).bfloat16()
+                           for _ in range(2)) for _ in range(n_sets)]
+            row = {"hidden": d, "tokens": t, "sets": n_sets}
+            us, k = _jax_us(ours, jsets, args.calls)
+            row["k3pallas"] = dict(_spread(us), kernels=k)
+            us, k = _jax_us(xla, jsets, args.calls)
+            row["xla"] = dict(_spread(us), kernels=k)
+            make_copy, copies = bench_ops.copy_variants(nbytes)
+            copy_sets = [make_copy(s) for s in range(n_sets)]
+            best = min((_spread(_jax_us(fn, copy_sets, args.calls)[0]) for fn in copies.values()),
+                       key=lambda v: v["median"])
+            row["copy"] = best
+            for name, (run, frag) in peers.items():
+                try:
+                    _check(run, *tsets[0], tw)
+                    row[name] = _spread(_torch_us(run, frag, tsets, tw, args.calls))
+                except Exception as e:  # noqa: BLE001 - reported in the table
+                    row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            rows.append(row)
+            print(row, file=sys.stderr, flush=True)
+    cols = ["k3pallas", "xla", *peers, "copy"]
+
+    def cell(v):
+        return "failed (json)" if "error" in v else f"{v['median']:.2f}"
+    lines = [f"# add_rmsnorm beside the PyTorch peers, {jax.devices()[0].device_kind}", "",
+             f"Device time per call, us, median of {args.calls} calls, jax.profiler clock for all, "
+             "one process (`python -m bench.inspection.beside_add_norm`); bf16; `copy`: the "
+             "copy of the same bytes (read x and r, write y and the residual); `% copy`: copy / "
+             "k3pallas.", "",
+             "| hidden | T | " + " | ".join(cols) + " | % copy |",
+             "|---|---|" + "---|" * (len(cols) + 1)]
+    for r in rows:
+        pct = 100 * r["copy"]["median"] / r["k3pallas"]["median"]
+        lines.append(f"| {r['hidden']} | {r['tokens']} | " + " | ".join(cell(r[c]) for c in cols)
+                     + f" | {pct:.0f} |")
+    md = "\n".join(lines)
+    write_report(args.out, "beside_add_norm", md,
+                 {"jax": jax.__version__, "torch": torch.__version__,
+                  "device_kind": jax.devices()[0].device_kind, "rows": rows})
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
