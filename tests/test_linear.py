@@ -166,7 +166,7 @@ def test_linear_errors(rng):
         np.asarray(kp.linear(f8, wf8, out_dtype=jnp.float32)))
 
 
-SMALL = dataclasses.replace(kimi_k3.KIMI_K3, hidden=256, mla_heads=4, kda_heads=6)
+SMALL = dataclasses.replace(kimi_k3.KIMI_K3, hidden=256, mla_heads=4, kda_heads=6, mlp_inter=2048)
 
 
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
@@ -182,6 +182,12 @@ def test_model_blocks_small(impl):
     assert 1e-3 < e["fp8_vs_bf16"] < 0.06, e  # e4m3: ~2**-4 relative per element
     assert e["bf16_vs_f32"] < 1e-2
     assert 0.1 < e["mxfp4_vs_bf16"] < 0.25  # FP4 elements: ~17 %, not a broken path
+    assert 1e-3 < e["group_vs_f32"] < 0.06 and 1e-3 < mla["q_group_vs_bf16"] < 0.06  # group FP8
+    assert 1e-3 < r["mla_out_6x128"]["group_vs_bf16"] < 0.06
+    d = r["decoder_attention_in"]  # the residual add + input norm, then the front-end
+    assert d["q"] < 1e-2 and d["residual"] == 0.0
+    m = r["mlp_in_group_tp8"]  # add + norm + group FP8, block-FP8 gate / up, SiLU-and-mul
+    assert m["act_vs_bf16"] < 0.1 and m["residual"] == 0.0  # 0 with impl="reference": both bf16
 
 
 @pytest.mark.slow
