@@ -160,7 +160,9 @@ def markdown(records: list[dict], env: dict) -> str:
     for r in records:
         groups.setdefault((r["op"], r["config"], r["dtype"]), {}).setdefault(r["tokens"], {})[r["variant"]] = r
     for (op, cfg, dtype), by_t in groups.items():
-        variants = [v for v in ("encoder", "unfused", "xla", "bf16") if any(v in d for d in by_t.values())]
+        seen = [v for d in by_t.values() for v in d if v not in ("k3pallas", "copy")]
+        known = ("encoder", "unfused", "xla", "bf16")  # then any other (group_linear's lowerings)
+        variants = [v for v in known if v in seen] + [v for v in dict.fromkeys(seen) if v not in known]
         out.append(f"## {op} · {cfg} · {dtype}")
         out.append("")
         head = ["T", "k3pallas us (n)"] + (["GB/s", "% copy"] if gpu else [])
