@@ -3,7 +3,8 @@
 The public API (``import k3pallas as kp``); each op function takes its output format as
 ``out_format`` (None: unquantized; a ``k3pallas.formats`` value or its name):
 
-* ``rmsnorm``, ``fused_q_kv_rmsnorm`` (MLA's joint q/kv norm, one launch), ``mla_q_kv_norm`` (the
+* ``rmsnorm``, ``add_rmsnorm`` (the residual add fused into the norm, the residual updated in
+  place), ``fused_q_kv_rmsnorm`` (MLA's joint q/kv norm, one launch), ``mla_q_kv_norm`` (the
   same from the packed ``[q_c | kv_c | k_pe]`` projection), ``rmsnorm_gated`` (Kimi Delta
   Attention's gated norm), ``sigmoid_mul`` (MLA's output gate), ``quantize``;
 * ``quantize_weight``, ``weight_from_checkpoint`` (a block-FP8 checkpoint's weight as stored) and

@@ -7,8 +7,9 @@ device its operands, mesh or ``compiling_for`` name) and its output format for i
 * takes arrays positionally and options as keywords; options are static (Python values), so the
   functions work inside ``jax.jit``, ``jax.vmap`` and ``shard_map``;
 * takes ``out_format``: None (default: the output in the input's dtype), a format of
-  ``k3pallas.formats`` (``Fp8PerToken(...)``, ``MXFP8``, ``MXFP4``) or its name
-  (``"fp8_per_token"``, ``"mxfp8"``, ``"mxfp4"``), and then returns a ``QuantizedActivation``;
+  ``k3pallas.formats`` (``Fp8PerToken(...)``, ``MXFP8``, ``MXFP4``, ``Fp8Group(...)``) or its
+  name (``"fp8_per_token"``, ``"mxfp8"``, ``"mxfp4"``, ``"fp8_group128"``,
+  ``"fp8_group128_ue8m0"``), and then returns a ``QuantizedActivation``;
   ``fp8_cast`` picks the float32 -> element conversion of the kernels (``k3pallas.kernels.fp8_cast``);
 * accepts any leading shape (flattened to rows) and returns empty outputs for zero rows without
   launching anything;

@@ -14,10 +14,12 @@ format             elements                     scale           one scale per
                    (gfx94x); or e5m2
 ``mxfp8``          ``float8_e4m3fn``            float8_e8m0fnu  32 contiguous elements of a row
 ``mxfp4``          ``float4_e2m1fn``            float8_e8m0fnu  32 contiguous elements of a row
+``fp8_group128``   FP8 by target, as per-token  float32         128 contiguous elements of a row
+``..._ue8m0``      FP8 by target, as per-token  float32, 2**k   128 contiguous elements of a row
 =================  ===========================  ==============  ==================================
 
-``Format.block``: elements per scale along the last axis (32 for MX), or None for a scale over
-a whole token (or column group); kernels pick their tiling by it. The exact semantics, with the
+``Format.block``: elements per scale along the last axis (32 for MX, 128 for group FP8), or None
+for a scale over a whole token (or column group); kernels pick their tiling by it. The exact semantics, with the
 numbers behind each default: docs/formats.md.
 """
 
