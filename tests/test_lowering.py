@@ -58,6 +58,21 @@ def test_every_op_and_format_is_one_launch(target, name):
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t[0])
+@pytest.mark.parametrize("fmt", [None, "fp8_per_token", "fp8_group128"])
+def test_add_rmsnorm_writes_over_its_inputs(target, fmt):
+    """The residual add's one launch declares its outputs over its inputs' buffers (XLA's
+    ``output_operand_aliases``): the new residual over the residual (operand 1, the last
+    output), and an unquantized y over x (operand 0, output 0); a quantized y is new."""
+    import re
+
+    args = (sds((64, 512)), sds((64, 512)), sds((512,)))
+    text = lowered_text(lambda *a: kp.add_rmsnorm(*a, out_format=fmt, impl="pallas"), args, target)
+    assert text.count(TRITON_CALL) == 1
+    pairs = sorted(re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", text))
+    assert pairs == ([("0", "0"), ("1", "1")] if fmt is None else [("2", "1")]), pairs
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t[0])
 @pytest.mark.parametrize("fp8_dtype", FP8, ids=lambda d: jnp.dtype(d).name)
 def test_every_fp8_dtype_lowers(target, fp8_dtype):
     x, w, g = sds((64, 5, 96)), sds((96,), jnp.float32), sds((64, 5, 96))
