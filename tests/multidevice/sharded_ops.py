@@ -272,38 +272,46 @@ def test_kda_output_tensor_parallel(mesh):
 
 
 @pytest.mark.parametrize("impl,fmt", [("reference", "mxfp8"), ("reference", "mxfp4"),
-                                      ("interpret", "mxfp4")])
-def test_mx_ops_sharded(mesh, impl, fmt):
-    """The MX ops: blocks of 32 never cross a head or a shard, so heads (the gated op) and
-    columns in whole blocks (quant, sigmoid-mul) split with no communication at all; the joint
-    norms split over tokens. Each equal to the unsharded op, inside shard_map too. The kernels
-    in interpret mode: the gated op only (XLA's CPU compiler takes ~18 s for each sharded
-    interpret-mode MX program; the ROCm gate compiles every sharded MX kernel for real)."""
+                                      ("interpret", "mxfp4"), ("reference", "fp8_group128"),
+                                      ("reference", "fp8_group128_ue8m0"),
+                                      ("interpret", "fp8_group128")])
+def test_block_formats_sharded(mesh, impl, fmt):
+    """The block formats (MX: blocks of 32; group FP8: groups of 128): a block never crosses a
+    head or a shard, so heads (the gated op: a head dim of 64 is 2 MX blocks, of 128 one group)
+    and columns in whole blocks (quant, sigmoid-mul) split with no communication at all; the
+    joint norms split over tokens. Each equal to the unsharded op, inside shard_map too; a shard
+    of part of a block is refused with the block size named. The kernels in interpret mode: the
+    gated op only (XLA's CPU compiler takes ~18 s for each sharded interpret-mode MX program; the
+    ROCm gate compiles every sharded block kernel for real)."""
     exact = impl != "reference"
-    x, g, w = rand(30, (16, 8, 64), scale=3), rand(31, (16, 8, 64)), rand(32, (64,), jnp.float32)
-    x = x.at[2, 5, 40].set(jnp.nan)  # a NaN in head 5 of token 2: that head's 2 blocks NaN, no other
+    block = kp.formats.as_format(fmt).block
+    d = max(64, block)  # head dim
+    x, g, w = rand(30, (16, 8, d), scale=3), rand(31, (16, 8, d)), rand(32, (d,), jnp.float32)
+    x = x.at[2, 5, 40].set(jnp.nan)  # a NaN in head 5 of token 2: that head's blocks NaN, no other
     fn = lambda x, w, g: kp.rmsnorm_gated(x, w, g, out_format=fmt, impl=impl)  # noqa: E731
     qa = check(mesh, fn, (x, w, g), [("dp", "tp"), (), ("dp", "tp")], expect_all_reduce=False,
                what=f"{fmt} gated, heads over tp", exact=exact)
+    per_head = d // block
     scale = np.asarray(qa.scale.astype(jnp.float32))
-    assert qa.scale.shape == (16, 8 * 64 // 32) and np.isnan(scale).sum() == 2
-    assert np.isnan(scale[2, 10:12]).all()
+    assert qa.scale.shape == (16, 8 * per_head) and np.isnan(scale).sum() == per_head
+    assert np.isnan(scale[2, 5 * per_head:6 * per_head]).all()
     if impl == "interpret":
         return
-    a, b = rand(33, (16, 512), scale=2), rand(34, (16, 512))
+    a, b = rand(33, (16, 8 * d), scale=2), rand(34, (16, 8 * d))  # d columns per device
     check(mesh, lambda a, b: kp.sigmoid_mul(a, b, out_format=fmt, impl=impl), (a, b),
           [("dp", "tp"), ("dp", "tp")], expect_all_reduce=False, what=f"{fmt} sigmoid-mul",
           exact=exact)
     check(mesh, lambda a: kp.quantize(a, fmt, impl=impl), (a,),
           [(None, ("dp", "tp"))], expect_all_reduce=False, what=f"{fmt} quant, columns",
           exact=exact)
-    q, kv, wq, wkv = rand(35, (64, 96)), rand(36, (64, 32)), rand(37, (96,)), rand(38, (32,))
+    dq = 3 * block
+    q, kv, wq, wkv = rand(35, (64, dq)), rand(36, (64, 32)), rand(37, (dq,)), rand(38, (32,))
     check(mesh, lambda q, kv, wq, wkv: kp.fused_q_kv_rmsnorm(q, kv, wq, wkv, out_format=fmt,
                                                              impl=impl),
           (q, kv, wq, wkv), [TOKENS, TOKENS, (), ()], expect_all_reduce=False,
           what=f"{fmt} joint norm", exact=exact)
-    packed = rand(39, (64, 96 + 32 + 8))
-    check(mesh, lambda p, wq, wkv: kp.mla_q_kv_norm(p, wq, wkv, q_size=96, kv_size=32,
+    packed = rand(39, (64, dq + 32 + 8))
+    check(mesh, lambda p, wq, wkv: kp.mla_q_kv_norm(p, wq, wkv, q_size=dq, kv_size=32,
                                                     out_format=fmt, impl=impl),
           (packed, wq, wkv), [TOKENS, (), ()], expect_all_reduce=False,
           what=f"{fmt} packed norm", exact=exact)
@@ -311,45 +319,8 @@ def test_mx_ops_sharded(mesh, impl, fmt):
     got = jax.jit(smap(fn, in_specs=(P("dp", "tp"), P(), P("dp", "tp")),
                        out_specs=P("dp", "tp")))(x, w, g)
     same(got, fn(x, w, g), f"{fmt} gated in shard_map", exact=exact)
-
-
-@pytest.mark.parametrize("impl,fmt", [("reference", "fp8_group128"),
-                                      ("reference", "fp8_group128_ue8m0"),
-                                      ("interpret", "fp8_group128")])
-def test_group_ops_sharded(mesh, impl, fmt):
-    """The group formats as the MX ops: a group of 128 is a head of the gated op (heads over tp),
-    columns shard in whole groups (quant, sigmoid-mul: 128 per device), the joint norms over
-    tokens; no communication, each equal to the unsharded op (the kernels in interpret mode: the
-    gated op, as for MX). A shard of part of a group is refused with the group size named."""
-    exact = impl != "reference"
-    x, g, w = rand(50, (16, 8, 128), scale=3), rand(51, (16, 8, 128)), rand(52, (128,), jnp.float32)
-    x = x.at[2, 5, 40].set(jnp.nan)  # head 5 of token 2: that group NaN, no other
-    fn = lambda x, w, g: kp.rmsnorm_gated(x, w, g, out_format=fmt, impl=impl)  # noqa: E731
-    qa = check(mesh, fn, (x, w, g), [("dp", "tp"), (), ("dp", "tp")], expect_all_reduce=False,
-               what=f"{fmt} gated, heads over tp", exact=exact)
-    scale = np.asarray(qa.scale)
-    assert qa.scale.shape == (16, 8) and np.isnan(scale).sum() == 1 and np.isnan(scale[2, 5])
-    if impl == "interpret":
-        return
-    a, b = rand(53, (16, 1024), scale=2), rand(54, (16, 1024))
-    check(mesh, lambda a, b: kp.sigmoid_mul(a, b, out_format=fmt, impl=impl), (a, b),
-          [("dp", "tp"), ("dp", "tp")], expect_all_reduce=False, what=f"{fmt} sigmoid-mul",
-          exact=exact)
-    check(mesh, lambda a: kp.quantize(a, fmt, impl=impl), (a,),
-          [(None, ("dp", "tp"))], expect_all_reduce=False, what=f"{fmt} quant, columns",
-          exact=exact)
-    q, kv, wq, wkv = rand(55, (64, 256)), rand(56, (64, 32)), rand(57, (256,)), rand(58, (32,))
-    check(mesh, lambda q, kv, wq, wkv: kp.fused_q_kv_rmsnorm(q, kv, wq, wkv, out_format=fmt,
-                                                             impl=impl),
-          (q, kv, wq, wkv), [TOKENS, TOKENS, (), ()], expect_all_reduce=False,
-          what=f"{fmt} joint norm", exact=exact)
-    packed = rand(59, (64, 256 + 32 + 8))
-    check(mesh, lambda p, wq, wkv: kp.mla_q_kv_norm(p, wq, wkv, q_size=256, kv_size=32,
-                                                    out_format=fmt, impl=impl),
-          (packed, wq, wkv), [TOKENS, (), ()], expect_all_reduce=False,
-          what=f"{fmt} packed norm", exact=exact)
-    xs = put(mesh, rand(60, (4, 512)), None, ("dp", "tp"))  # 64 columns per device
-    with pytest.raises(ValueError, match=r"a shard must hold whole blocks.*multiples of 128"):
+    xs = put(mesh, rand(40, (4, 4 * block)), None, ("dp", "tp"))  # half a block per device
+    with pytest.raises(ValueError, match=rf"a shard must hold whole blocks.*multiples of {block}"):
         kp.quantize(xs, fmt, impl=impl)
 
 
