@@ -96,16 +96,6 @@ class Format:
         the jnp semantics the kernels implement. Format resolved first."""
         raise NotImplementedError
 
-    def weight_scale_shape(self, n: int, k: int) -> tuple[int, int]:
-        """A block format's weight scales for data ``[N, K]`` (layout "nk"): one per output channel
-        and block of K (``Mx``); ``Fp8Group`` overrides (128 x 128 blocks)."""
-        return n, k // self.block
-
-    def dequantize_weight(self, data, scale):
-        """float32 ``[N, K]`` of a block format's weight data ``[N, K]`` and scales of
-        ``weight_scale_shape``."""
-        return self.dequantize(data, scale)
-
     def dequantize(self, data, scale, dtype=jnp.float32):
         """``data * scale`` per scale group, ``[..., N]`` in ``dtype`` (a NaN scale: NaN)."""
         n, groups = data.shape[-1], scale.shape[-1]
@@ -123,6 +113,59 @@ def _check_arrays(data, scale):
                          f"shapes {tuple(data.shape)} and {tuple(scale.shape)}")
 
 
+class _DeviceFp8:
+    """What the FP8 formats with a float32 scale share (``Fp8PerToken``, ``Fp8Group``): an fp8
+    element dtype left to the device (None) or given, and its ``fp8_max``."""
+
+    def resolve(self, target):
+        return self.bind(fp8_lib.default_fp8_dtype(target) if self.dtype is None else self.dtype)
+
+    def _element(self, dtype):
+        """(element dtype, fp8_max) of a record whose data has ``dtype``."""
+        if self.dtype is None and jnp.dtype(dtype) not in fp8_lib.FP8_DTYPES:
+            raise TypeError(f"{self.name} data must have an fp8 dtype, got {jnp.dtype(dtype).name}")
+        dtype = jnp.dtype(dtype) if self.dtype is None else self.dtype
+        return dtype, fp8_lib.fp8_format(dtype).default_max if self.fp8_max is None else self.fp8_max
+
+    @property
+    def scale_dtype(self):
+        return jnp.dtype(jnp.float32)
+
+    def check_record(self, data, scale) -> None:
+        _check_arrays(data, scale)
+        if jnp.dtype(data.dtype) not in fp8_lib.FP8_DTYPES:
+            raise TypeError(f"{self.name} data must have an fp8 dtype, got "
+                            f"{jnp.dtype(data.dtype).name}")
+        super().check_record(data, scale)
+
+
+class _Blocks(Format):
+    """What the block formats share (``Mx``, ``Fp8Group``): one scale per ``block`` contiguous
+    elements of a row (a ``unit``: "block" or "group"), which never crosses the row's end; for
+    weights one per output channel and block of K unless the format says otherwise."""
+
+    unit: ClassVar[str]
+
+    def scale_groups(self, n: int) -> int:
+        return n // self.block
+
+    def check_width(self, n: int, what: str) -> None:
+        if n % self.block:
+            raise ValueError(f"{self.name} scales {self.unit}s of {self.block} elements, which may "
+                             f"not cross {what}: its size ({n}) must be a multiple of {self.block}")
+
+    def _per_scale(self, n):
+        return f"one per {self.unit} of {self.block}"
+
+    def weight_scale_shape(self, n: int, k: int) -> tuple[int, int]:
+        """The weight scales for data ``[N, K]`` (layout "nk")."""
+        return n, k // self.block
+
+    def dequantize_weight(self, data, scale):
+        """float32 ``[N, K]`` of weight data ``[N, K]`` and scales of ``weight_scale_shape``."""
+        return self.dequantize(data, scale)
+
+
 # ------------------------------------------------------------------------------------------------
 # Per-token FP8 (vLLM's dynamic per-token FP8)
 # ------------------------------------------------------------------------------------------------
@@ -136,7 +179,7 @@ MIN_SCALE_DIVISOR = 512.0  # min_scale = 1 / (fp8_max * 512), as vLLM
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8PerToken(Format):
+class Fp8PerToken(_DeviceFp8, Format):
     """Dynamic per-token FP8, per token and scale group: ``amax = max|y|``;
     ``scale = max(min(amax, scale_ub) / fp8_max, min_scale)``;
     ``data = round_to_nearest_even(clamp(y / scale, -fp8_max, fp8_max))``. A zero row gets
@@ -175,23 +218,11 @@ class Fp8PerToken(Format):
             set_("scale_ub", static_positive_float("scale_ub", self.scale_ub))
         set_("groups", static_int("groups", self.groups, 1))
 
-    def resolve(self, target) -> "Fp8PerToken":
-        if self.dtype is None:
-            return self.bind(fp8_lib.default_fp8_dtype(target))
-        return self.bind(self.dtype)
-
     def bind(self, dtype) -> "Fp8PerToken":
-        if self.dtype is None and jnp.dtype(dtype) not in fp8_lib.FP8_DTYPES:
-            raise TypeError(f"fp8_per_token data must have an fp8 dtype, got {jnp.dtype(dtype).name}")
-        dtype = jnp.dtype(dtype) if self.dtype is None else self.dtype
-        fp8_max = fp8_lib.fp8_format(dtype).default_max if self.fp8_max is None else self.fp8_max
+        dtype, fp8_max = self._element(dtype)
         _check_fp8_max(fp8_max, dtype)
         min_scale = 1.0 / (fp8_max * MIN_SCALE_DIVISOR) if self.min_scale is None else self.min_scale
         return dataclasses.replace(self, dtype=dtype, fp8_max=fp8_max, min_scale=min_scale)
-
-    @property
-    def scale_dtype(self):
-        return jnp.dtype(jnp.float32)
 
     def scale_groups(self, n: int) -> int:
         return self.groups
@@ -199,12 +230,6 @@ class Fp8PerToken(Format):
     def check_width(self, n: int, what: str) -> None:
         if n % self.groups:
             raise ValueError(f"fp8_per_token groups={self.groups} must divide {what} ({n})")
-
-    def check_record(self, data, scale) -> None:
-        _check_arrays(data, scale)
-        if jnp.dtype(data.dtype) not in fp8_lib.FP8_DTYPES:
-            raise TypeError(f"fp8_per_token data must have an fp8 dtype, got {jnp.dtype(data.dtype).name}")
-        super().check_record(data, scale)
 
     def quantize(self, y):
         y = y.astype(jnp.float32)
@@ -235,7 +260,7 @@ def _check_fp8_max(fp8_max, dtype):
 
 
 @dataclasses.dataclass(frozen=True)
-class Mx(Format):
+class Mx(_Blocks):
     """MXFP8 / MXFP4: one ``float8_e8m0fnu`` scale (a power of two, ``2**(code - 127)``; code
     255 is NaN) per block of 32 contiguous elements of a row. jax's own MX quantization
     (``jax.nn.scaled_dot_general``'s):
@@ -258,21 +283,11 @@ class Mx(Format):
     per_byte: int  # elements stored per byte (2: packed nibbles)
 
     block: ClassVar[int] = 32
+    unit: ClassVar[str] = "block"
 
     @property
     def scale_dtype(self):
         return jnp.dtype(jnp.float8_e8m0fnu)
-
-    def scale_groups(self, n: int) -> int:
-        return n // self.block
-
-    def check_width(self, n: int, what: str) -> None:
-        if n % self.block:
-            raise ValueError(f"{self.name} scales blocks of {self.block} elements, which may not "
-                             f"cross {what}: its size ({n}) must be a multiple of {self.block}")
-
-    def _per_scale(self, n):
-        return f"one per block of {self.block}"
 
     @functools.cached_property
     def threshold_bits(self) -> tuple[int, int, int]:
@@ -372,7 +387,7 @@ EPS_MIN_RATIO = 2.0**-100  # eps >= fp8_max * this: scales >= 2**-100 (div_by_co
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Group(Format):
+class Fp8Group(_DeviceFp8, _Blocks):
     """FP8 with one float32 scale per group of 128 contiguous elements of a row (vLLM's
     ``per_token_group_quant_fp8``, DeepSeek's ``act_quant``). Per group:
 
@@ -405,6 +420,7 @@ class Fp8Group(Format):
     ue8m0: bool = False
 
     block: ClassVar[int] = 128
+    unit: ClassVar[str] = "group"
     per_byte: ClassVar[int] = 1
     # What a kernel's block epilogue needs: scales stored as float32, NaN marks an unwritten one.
     scale_store_dtype: ClassVar = jnp.dtype(jnp.float32)
@@ -426,44 +442,14 @@ class Fp8Group(Format):
         if not isinstance(self.ue8m0, bool):
             raise TypeError(f"ue8m0 must be a bool, got {type(self.ue8m0).__name__}")
 
-    def resolve(self, target) -> "Fp8Group":
-        if self.dtype is None:
-            return self.bind(fp8_lib.default_fp8_dtype(target))
-        return self.bind(self.dtype)
-
     def bind(self, dtype) -> "Fp8Group":
-        if self.dtype is None and jnp.dtype(dtype) not in fp8_lib.FP8_DTYPES:
-            raise TypeError(f"{self.name} data must have an fp8 dtype, got {jnp.dtype(dtype).name}")
-        dtype = jnp.dtype(dtype) if self.dtype is None else self.dtype
-        fp8_max = fp8_lib.fp8_format(dtype).default_max if self.fp8_max is None else self.fp8_max
+        dtype, fp8_max = self._element(dtype)
         _check_grid_max(fp8_max, dtype)
         if self.eps < fp8_max * EPS_MIN_RATIO:
             raise ValueError(f"eps={self.eps} is below fp8_max * 2**-100 "
                              f"({fp8_max * EPS_MIN_RATIO:g}), where the exact scale arithmetic "
                              "(div_by_constant) stops")
         return dataclasses.replace(self, dtype=dtype, fp8_max=fp8_max)
-
-    @property
-    def scale_dtype(self):
-        return jnp.dtype(jnp.float32)
-
-    def scale_groups(self, n: int) -> int:
-        return n // self.block
-
-    def check_width(self, n: int, what: str) -> None:
-        if n % self.block:
-            raise ValueError(f"{self.name} scales groups of {self.block} elements, which may not "
-                             f"cross {what}: its size ({n}) must be a multiple of {self.block}")
-
-    def _per_scale(self, n):
-        return f"one per group of {self.block}"
-
-    def check_record(self, data, scale) -> None:
-        _check_arrays(data, scale)
-        if jnp.dtype(data.dtype) not in fp8_lib.FP8_DTYPES:
-            raise TypeError(f"{self.name} data must have an fp8 dtype, got "
-                            f"{jnp.dtype(data.dtype).name}")
-        super().check_record(data, scale)
 
     def weight_scale_shape(self, n: int, k: int) -> tuple[int, int]:
         """128 x 128 blocks of ``[N, K]`` data, as the checkpoints store ``weight_scale_inv``: a
