@@ -165,6 +165,11 @@ class _Blocks(Format):
         """float32 ``[N, K]`` of weight data ``[N, K]`` and scales of ``weight_scale_shape``."""
         return self.dequantize(data, scale)
 
+    def quantize_weight(self, w_nk):
+        """``w [N, K]`` -> ``(data [N, K], scale of weight_scale_shape)``: the activations' rule
+        per output channel (row) and block of K."""
+        return self.quantize(w_nk)
+
 
 # ------------------------------------------------------------------------------------------------
 # Per-token FP8 (vLLM's dynamic per-token FP8)

@@ -75,12 +75,6 @@ def quantize_weight(w, out_format, *, layout="nk") -> QuantizedWeight:
             fmt.check_width(w.shape[0], "K (the first dim of w)")
     except (TypeError, ValueError) as e:
         raise type(e)(f"{op}: {e}") from None
-    if isinstance(fmt, formats.Fp8Group):  # 128 x 128 blocks of the [N, K] data
-        data, scale = ops.inference_only(op, lambda w: fmt.quantize_weight(w.T), w)
-        if layout == "kn":
-            data, scale = data.T, scale.T
-        return QuantizedWeight._unchecked(data, scale, fmt, layout)
-
     def quantize(w):
         wf = w.astype(jnp.float32)
         if fmt.block is None:
@@ -89,7 +83,7 @@ def quantize_weight(w, out_format, *, layout="nk") -> QuantizedWeight:
             scale = jnp.where(jnp.any(jnp.isnan(wf), axis=0), jnp.nan, scale)
             codes = jnp.clip(wf / scale, -fmt.fp8_max, fmt.fp8_max).astype(fmt.dtype)
             return codes.T, scale.astype(jnp.float32)  # [N, K], [N]
-        return fmt.quantize(wf.T)  # per output channel n, blocks along K: [N, K], [N, K / 32]
+        return fmt.quantize_weight(wf.T)  # [N, K] and the format's weight scales
 
     data, scale = ops.inference_only(op, quantize, w)
     if layout == "kn":
@@ -224,17 +218,24 @@ def _fp8_per_token(data, scale, qw, k, n, precision):
                               precision=precision, preferred_element_type=jnp.float32)
         acc = acc * scale
     else:
-        kg = k // groups
-        a3 = data.reshape(-1, groups, kg)  # [T, G, K/G]
-        if qw.layout == "kn":
-            w3, dims = w.reshape(groups, kg, n), (((2,), (1,)), ((1,), (0,)))  # [G, K/G, N]
-        else:
-            w3, dims = w.reshape(n, groups, kg), (((2,), (2,)), ((1,), (1,)))  # [N, G, K/G]
-        part = lax.dot_general(a3, w3, dims, precision=precision,
-                               preferred_element_type=jnp.float32)  # [G, T, N]
+        part = _group_dots(data, qw, groups, precision)  # [G, T, N]
         s = scale.reshape(-1, groups).T[:, :, None]  # [G, T, 1]
         acc = jnp.sum(part * s, axis=0).reshape(data.shape[:-1] + (n,))
     return acc * w_scale
+
+
+def _group_dots(data, qw, groups, precision):
+    """float32 ``[G, T, N]``: each of ``groups`` contiguous K groups of the fp8 ``data [..., K]``
+    times the weight's rows of that group, one batched ``dot_general`` (either layout, no
+    transpose)."""
+    k, n = qw.shape
+    kg = k // groups
+    a3 = data.reshape(-1, groups, kg)  # [T, G, K/G]
+    if qw.layout == "kn":
+        w3, dims = qw.data.reshape(groups, kg, n), (((2,), (1,)), ((1,), (0,)))  # [G, K/G, N]
+    else:
+        w3, dims = qw.data.reshape(n, groups, kg), (((2,), (2,)), ((1,), (1,)))  # [N, G, K/G]
+    return lax.dot_general(a3, w3, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _fp8_group(data, scale, qw, impl, precision):
@@ -250,21 +251,16 @@ def _fp8_group(data, scale, qw, impl, precision):
     * "scaled_dot": ``jax.lax.scaled_dot`` (XLA's block-scaled dot composite; its fallback
       rounds the scales to bfloat16).
     """
+    fmt = qw.format
+    if impl == "dequantize":  # [K, N] bfloat16, whatever the stored layout
+        return lax.dot_general(fmt.dequantize(data, scale, jnp.bfloat16),
+                               qw.dequantize(jnp.bfloat16), (((1,), (0,)), ((), ())),
+                               precision=precision, preferred_element_type=jnp.float32)
     w, w_scale = (qw.data, qw.scale) if qw.layout == "nk" else (qw.data.T, qw.scale.T)
-    n, k = w.shape
-    b = qw.format.block
-    g = k // b
-    w_scale_n = jnp.repeat(w_scale, b, axis=0)[:n]  # [N, G]: each output channel's block scales
-    if impl == "dequantize":
-        a = (data.astype(jnp.float32).reshape(-1, g, b) * scale[..., None]).reshape(-1, k)
-        return lax.dot_general(a.astype(jnp.bfloat16),
-                               qw.format.dequantize_weight(w, w_scale).astype(jnp.bfloat16),
-                               (((1,), (1,)), ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)
+    n = w.shape[0]
+    w_scale_n = jnp.repeat(w_scale, fmt.block, axis=0)[:n]  # [N, G]: each channel's block scales
     if impl == "per_group":
-        part = lax.dot_general(data.reshape(-1, g, b), w.reshape(n, g, b),
-                               (((2,), (2,)), ((1,), (1,))), precision=precision,
-                               preferred_element_type=jnp.float32)  # [G, T, N]
+        part = _group_dots(data, qw, scale.shape[-1], precision)  # [G, T, N]
         return jnp.sum(part * scale.T[:, :, None] * w_scale_n.T[:, None, :], axis=0)
     return lax.scaled_dot(data, w, lhs_scale=scale, rhs_scale=w_scale_n,
                           dimension_numbers=(((1,), (1,)), ((), ())),

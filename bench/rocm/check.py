@@ -59,7 +59,8 @@ BROKEN = {"op": "rmsnorm", "config": "deepseek-v3-mla", "tokens": 4096, "launch"
 # Group FP8 programs per lowering of the block-FP8 linear (k3pallas.linear.GROUP_IMPLS): the
 # Kimi-K3 TP8 KDA o_proj (12 x 128 -> 7168) and a DeepSeek-V3 dense MLP input at TP8 (7168 ->
 # 2 x 2304, gate and up).
-GROUP_PROGRAMS = tuple(f"{p}_{impl}" for p in ("kda_out_group_tp8", "dsv3_mlp_group_tp8")
+_GROUP_BASES = ("kda_out_group_tp8", "dsv3_mlp_group_tp8")
+GROUP_PROGRAMS = tuple(f"{p}_{impl}" for p in _GROUP_BASES
                        for impl in ("dequantize", "per_group", "scaled_dot"))
 PROGRAMS = ("mla_front", "kda_out_fp8", "kda_out_fp8_tp8", "kda_out_mxfp4_tp8", "mla_out_mxfp4_tp8",
             *GROUP_PROGRAMS)
@@ -124,8 +125,7 @@ def program_fn(name, tokens, mesh):
     if name in GROUP_PROGRAMS:
         import k3pallas as kp
 
-        base, impl = next((p, name[len(p) + 1:]) for p in ("kda_out_group_tp8", "dsv3_mlp_group_tp8")
-                          if name.startswith(p))
+        base, impl = next((p, name[len(p) + 1:]) for p in _GROUP_BASES if name.startswith(p))
         if base == "kda_out_group_tp8":
             cfg = kimi_k3.KIMI_K3_TP8
             with jax.set_mesh(mesh):
