@@ -43,9 +43,11 @@ def rmsnorm(x, weight, eps, fmt=None):
 
 def add_rmsnorm(x, residual, weight, eps, fmt=None):
     """``r = x + residual`` (float32 sum, one rounding to ``x.dtype``), then ``rmsnorm(r)`` of that
-    stored sum: ``(y, r)``, or with ``fmt`` ``(data, scale, r)``."""
+    stored sum: ``(y, r)``, or with ``fmt`` ``(data, scale, r)``. The barrier keeps the rounding:
+    XLA's GPU backend (``xla_allow_excess_precision``, on by default) otherwise drops the
+    ``float32 -> bf16 -> float32`` pair and normalizes the unrounded sum."""
     r = (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(x.dtype)
-    y = rmsnorm(r, weight, eps, fmt)
+    y = rmsnorm(jax.lax.optimization_barrier(r), weight, eps, fmt)
     return (y, r) if fmt is None else (*y, r)
 
 

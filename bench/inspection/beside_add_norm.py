@@ -4,7 +4,8 @@ in ONE process with ONE clock: Liger's ``fused_add_rms_norm_forward`` and flash-
 ``layer_norm_fwd`` (RMSNorm with a residual, its ``prenorm`` path), plus XLA's fusion of the jnp
 code and the copy ceiling (read two tensors, write two).
 
-Every variant writes the normalized ``y`` and the new residual ``x + r``; each peer is checked
+Every variant writes the normalized ``y`` and the new residual ``x + r``; k3pallas and XLA in
+place (donated, ``bench.ops.ResidualStream``), the peers into new tensors. Each peer is checked
 against a float64 NumPy oracle first (bf16 output: 2**-7 relative; the residual exact). Device
 time from ``jax.profiler`` events (``bench.timing``; CUPTI records the torch kernels too), per
 call over ``--calls`` calls cycling through input sets (3x the L2 where a set is small). The
@@ -109,8 +110,9 @@ def main(argv=None):
     for d in (int(v) for v in args.hidden.split(",")):
         tw = torch.randn(d, device="cuda", generator=gen).bfloat16()
         jw = jnp.asarray(tw.float().cpu().numpy(), jnp.bfloat16)
-        ours = jax.jit(lambda x, r: k3pallas.add_rmsnorm(x, r, jw, EPS, impl="pallas"))
-        xla = jax.jit(lambda x, r: k3pallas.add_rmsnorm(x, r, jw, EPS, impl="reference"))
+        # In place, as a decoder layer runs it (x and the residual donated, bench.ops.ResidualStream).
+        ours = bench_ops.ResidualStream(lambda x, r: k3pallas.add_rmsnorm(x, r, jw, EPS, impl="pallas"), False)
+        xla = bench_ops.ResidualStream(lambda x, r: k3pallas.add_rmsnorm(x, r, jw, EPS, impl="reference"), False)
         for t in (int(v) for v in args.tokens.split(",")):
             nbytes = 4 * t * d * 2  # read x and r, write y and the new residual
             n_sets = bench_ops.rotation_sets(2 * t * d * 2, bench_ops.cache_bytes(target), 16)
