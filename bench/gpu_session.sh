@@ -7,7 +7,9 @@
 #   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded] [peers] [ncu]
 # ncu: NCU_CASES="OP:CONFIG:T ..."
 # (Nsight Compute on each case's first kernel launch, bench.inspection.profile_cases; all into ncu.txt).
-# tests: ~400 s on the H200 (182 GPU tests; 86 s with pytest-xdist), bench ~400 s: two calls.
+# tests: 378 GPU tests, 153 s on the H200 with 12 pytest-xdist workers (one test then ran out of
+# device memory: keep the default 6); the whole benchmark ~26 min: several calls (--ops, --tokens;
+# `python -m bench --merge` joins their results.json).
 # The GPU machine's copy of .git can be older than the tree sent: pass the commit measured, e.g.
 #   K3PALLAS_GIT_COMMIT=<git rev-parse --short HEAD, here> (bench/run.py records it).
 set -uo pipefail

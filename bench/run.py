@@ -1,6 +1,6 @@
 """``python -m bench``: every op, fused against unfused, XLA and the copy ceiling, device-timed.
 
-Writes ``results.md`` (the tables, also printed), ``results.json`` (every number and the
+Writes ``results.md`` (the tables, also printed; ``--name``: another stem), ``results.json`` (every number and the
 environment) and, with matplotlib installed, ``results.png`` (bandwidth against tokens) to
 ``--out``. The two reports are rewritten after every case, marked partial until the last one,
 so a run cut short (a time limit) still leaves what it measured. Without a GPU it runs the interpret and reference paths at small sizes and labels the
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
 import platform as py_platform
 import subprocess
@@ -240,11 +241,38 @@ def parse_args(argv=None):
     p.add_argument("--calls", type=int, default=30, help="timed calls per variant (>= 20 on GPU)")
     p.add_argument("--quick", action="store_true",
                    help="a small fast run: tokens 1 and 64, each op's first config, 5 calls")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="measure nothing: the records of these runs' results.json (runs split "
+                        "over several device calls) as one report, written to --out as --name")
+    p.add_argument("--name", default="results", help="the report's file stem (default: results)")
     return p.parse_args(argv)
+
+
+def merge(paths, out_dir: str, stem: str) -> None:
+    """One report of several runs' records (same device and jax; their commits, dates and
+    arguments kept in the environment, each under ``runs``)."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    envs = [r["environment"] for r in runs]
+    if len({(e["device_kind"], e["jax"]) for e in envs}) != 1:
+        raise SystemExit("--merge: the runs were made on different devices or jax versions")
+    records = [rec for r in runs for rec in r["records"]]
+    env = dict(envs[0], runs=[{k: e.get(k) for k in ("git_commit", "date", "argv", "cases",
+                                                     "cases_done")} for e in envs])
+    env["git_commit"] = ", ".join(dict.fromkeys(str(e.get("git_commit")) for e in envs))
+    env["date"] = ", ".join(dict.fromkeys(e["date"] for e in envs))
+    env["cases"] = sum(e["cases"] for e in envs)
+    env["cases_done"] = sum(e.get("cases_done", e["cases"]) for e in envs)
+    write_report(out_dir, stem, markdown(records, env), {"environment": env, "records": records})
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        merge(args.merge, args.out, args.name)
+        return 0
     target = platform.current_target()
     gpu = target.is_gpu
     impl = "pallas" if gpu else "interpret"
@@ -286,7 +314,7 @@ def main(argv=None) -> int:
     t_start = time.time()
     env["cases"] = len(jobs)
     weights = [job_weight(op, cfg, t, args.dtype, gpu) for op, cfg, t in jobs]
-    _log(f"{len(jobs)} cases; writing {args.out}/results.md and results.json after each")
+    _log(f"{len(jobs)} cases; writing {args.out}/{args.name}.md and {args.name}.json after each")
     md = markdown(records, env)
     for i, (op, cfg, t) in enumerate(jobs, 1):
         case = bench_ops.make_case(op, cfg, t, args.dtype, impl)
@@ -302,9 +330,9 @@ def main(argv=None) -> int:
         env["cases_done"] = i
         env["fp8_cast_decisions"] = [dataclasses.asdict(d) for d in kp.fp8_cast_decisions()]
         md = markdown(records, env)
-        write_report(args.out, "results", md, {"environment": env, "records": records})
+        write_report(args.out, args.name, md, {"environment": env, "records": records})
     # The bandwidth plot is a GPU result; CPU wall-clock numbers would only mislead in a picture.
-    plotted = gpu and plot(records, env, os.path.join(args.out, "results.png"))
+    plotted = gpu and plot(records, env, os.path.join(args.out, f"{args.name}.png"))
     print(md)
-    _log(f"wrote {args.out}/results.md, results.json" + (", results.png" if plotted else ""))
+    _log(f"wrote {args.out}/{args.name}.md, {args.name}.json" + (f", {args.name}.png" if plotted else ""))
     return 0

@@ -24,12 +24,12 @@ from k3pallas.formats import QuantizedActivation, QuantizedWeight
 __all__ = ["quantize_weight", "weight_from_checkpoint", "linear", "GROUP_IMPLS"]
 
 # The lowerings of a group-FP8 linear through XLA (``linear(impl=...)``). "auto" takes
-# "per_group" up to this many rows, "dequantize" beyond: an ESTIMATE from bytes moved, not yet
-# timed (per_group writes and reads a float32 [K/128, T, N] partial result, T / 32 times the
-# weight's bytes each way; dequantize writes and reads a bfloat16 weight, 4 times the FP8
-# weight's bytes, whatever T).
+# "per_group" up to this many rows, "dequantize" beyond: on the H200 per_group was the faster at
+# T = 1 ... 64 and dequantize at T = 512 and 4096, at the Kimi-K3 o_proj and a DeepSeek-V3 MLP
+# shape (docs/formats.md; between 64 and 512 not measured). per_group's float32 [K/128, T, N]
+# partial result grows with T; dequantize's bf16 weight does not.
 GROUP_IMPLS = ("dequantize", "per_group", "scaled_dot")
-PER_GROUP_MAX_ROWS = 32
+PER_GROUP_MAX_ROWS = 64
 
 
 def quantize_weight(w, out_format, *, layout="nk") -> QuantizedWeight:

@@ -99,6 +99,42 @@ def test_quick_mode_end_to_end(tmp_path):
     first = [r for r in recs if (r["op"], r["tokens"]) == (recs[0]["op"], recs[0]["tokens"])]
     cut = bench_run.markdown(first, {**env, "cases_done": 1})
     assert "PARTIAL RUN: 1 of 4 cases" in cut
+    # --merge: runs split over several device calls as one report, each run's commit kept.
+    other = dict(data, environment={**env, "git_commit": "abc1234", "cases": 2, "cases_done": 1})
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert bench_run.main(["--merge", str(out / "results.json"), str(tmp_path / "other.json"),
+                           "--out", str(tmp_path), "--name", "merged"]) == 0
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert len(merged["records"]) == 2 * len(recs)
+    assert [r["git_commit"] for r in merged["environment"]["runs"]] == [env["git_commit"], "abc1234"]
+    md = (tmp_path / "merged.md").read_text()
+    assert "abc1234" in md and "PARTIAL RUN: 5 of 6 cases" in md
+
+
+def test_residual_stream_updates_in_place_and_keeps_the_sets():
+    """bench.ops.ResidualStream: each call continues its set's residual stream (the new residual,
+    and y as the next x unquantized), from a copy, so the sets themselves stay as made."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from bench import ops as bench_ops
+
+    def fn(x, r):
+        s = x + r
+        return s * 0.5, s
+    sets = [(jnp.ones((2, 4)), jnp.full((2, 4), 2.0)), (jnp.zeros((2, 4)), jnp.ones((2, 4)))]
+    stream = bench_ops.ResidualStream(fn, quantized=False)
+    y, r = stream(*sets[0])
+    assert np.all(np.asarray(r) == 3.0) and np.all(np.asarray(y) == 1.5)
+    y, r = stream(*sets[0])  # x <- 1.5, r <- 3: the stream goes on
+    assert np.all(np.asarray(r) == 4.5)
+    _, r1 = stream(*sets[1])  # another set: its own stream
+    assert np.all(np.asarray(r1) == 1.0)
+    assert np.all(np.asarray(sets[0][0]) == 1.0) and np.all(np.asarray(sets[0][1]) == 2.0)
+    quantized = bench_ops.ResidualStream(fn, quantized=True)
+    quantized(*sets[0])
+    _, r = quantized(*sets[0])  # x stays the set's own: r = 1 + (1 + 2)
+    assert np.all(np.asarray(r) == 4.0)
 
 
 def test_tune_table_and_merge():

@@ -107,6 +107,8 @@ def main(argv=None):
     target = k3pallas.current_target()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
+    env = {"jax": jax.__version__, "torch": torch.__version__,
+           "device_kind": jax.devices()[0].device_kind}
     for d in (int(v) for v in args.hidden.split(",")):
         tw = torch.randn(d, device="cuda", generator=gen).bfloat16()
         jw = jnp.asarray(tw.float().cpu().numpy(), jnp.bfloat16)
@@ -139,26 +141,36 @@ def main(argv=None):
                     row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
             rows.append(row)
             print(row, file=sys.stderr, flush=True)
-    cols = ["k3pallas", "xla", *peers, "copy"]
+            # Rewritten after every row: a run stopped at a time limit keeps what it measured.
+            write(args.out, rows, list(peers), args.calls, env)
+    print(report(rows, list(peers), args.calls, env))
+
+
+def report(rows, peer_names, calls, env) -> str:
+    cols = ["k3pallas", "xla", *peer_names, "copy"]
 
     def cell(v):
-        return "failed (json)" if "error" in v else f"{v['median']:.2f}"
-    lines = [f"# add_rmsnorm beside the PyTorch peers, {jax.devices()[0].device_kind}", "",
-             f"Device time per call, us, median of {args.calls} calls, jax.profiler clock for all, "
-             "one process (`python -m bench.inspection.beside_add_norm`); bf16; `copy`: the "
-             "copy of the same bytes (read x and r, write y and the residual); `% copy`: copy / "
-             "k3pallas.", "",
+        if "error" in v:
+            return "failed (json)"
+        return f"{v['median']:.2f}" + (f" ({v['kernels']})" if "kernels" in v else "")
+    lines = [f"# add_rmsnorm beside the PyTorch peers, {env['device_kind']}", "",
+             f"Device time per call, us, median of {calls} calls (`(n)`: kernels per call), "
+             "jax.profiler clock for all, one process (`python -m bench.inspection."
+             f"beside_add_norm`, jax {env['jax']}, torch {env['torch']}); bf16; k3pallas and xla "
+             "in place (donated), the peers into new tensors; `copy`: the copy of the same bytes "
+             "(read x and r, write y and the residual); `% copy`: copy / k3pallas.", "",
              "| hidden | T | " + " | ".join(cols) + " | % copy |",
              "|---|---|" + "---|" * (len(cols) + 1)]
     for r in rows:
         pct = 100 * r["copy"]["median"] / r["k3pallas"]["median"]
         lines.append(f"| {r['hidden']} | {r['tokens']} | " + " | ".join(cell(r[c]) for c in cols)
                      + f" | {pct:.0f} |")
-    md = "\n".join(lines)
-    write_report(args.out, "beside_add_norm", md,
-                 {"jax": jax.__version__, "torch": torch.__version__,
-                  "device_kind": jax.devices()[0].device_kind, "rows": rows})
-    print(md)
+    return "\n".join(lines)
+
+
+def write(out, rows, peer_names, calls, env) -> None:
+    write_report(out, "beside_add_norm", report(rows, peer_names, calls, env),
+                 dict(env, calls=calls, rows=rows))
 
 
 if __name__ == "__main__":
