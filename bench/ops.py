@@ -94,14 +94,18 @@ class ResidualStream:
         return y, new_r
 
 
+def jit_for(op: str, out_format):
+    """How the benchmark and the sweep compile an op's variants: the residual add in place, as a
+    decoder layer runs it (``ResidualStream``), every other op with ``jax.jit``."""
+    if op == "add_rmsnorm":
+        return lambda fn: ResidualStream(fn, quantized=out_format is not None)
+    return jax.jit
+
+
 def _op_case(spec: ops.BenchOp, config_name: str, tokens: int, dt, impl: str):
     """(make, variants, input bytes, output bytes, launch) of an op from the op table."""
     structs, options = spec.example(tokens, dt, **spec.sizes[config_name])
-    j = jax.jit
-
-    if spec.op == "add_rmsnorm":  # every variant as a decoder layer runs it: in place
-        def j(fn):
-            return ResidualStream(fn, quantized=options.get("out_format") is not None)
+    j = jit_for(spec.op, options.get("out_format"))
 
     def make(seed):
         return _fill(jax.random.PRNGKey(seed), structs)

@@ -37,8 +37,9 @@ TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 4096, 65536)
 ROWS = (1, 2, 4)
 WARPS = (1, 2, 4, 8, 16)
 def _op_fn(name, cfg_name, dtype):
-    """(make_inputs(seed, T), fn(config, *inputs), (row_elems, max_tile)(T)) of an op of the
-    table, its launch forced to ``config`` (``hooks.forced``)."""
+    """(make_inputs(seed, T), fn(config, *inputs), (row_elems, max_tile, launch key)(T), how to
+    compile fn: in place for the residual add) of an op of the table, its launch forced to
+    ``config`` (``hooks.forced``)."""
     spec = ops.OPS[name]
     dt = jnp.dtype(dtype)
 
@@ -57,7 +58,7 @@ def _op_fn(name, cfg_name, dtype):
         with hooks.recording() as log:
             jax.jit(lambda *a: spec.fn(*a, impl="pallas", **options)).trace(*structs)
         return log[0].row_elems, log[0].max_tile_row_elems, log[0].op
-    return make, fn, key
+    return make, fn, key, bench_ops.jit_for(spec.op, options.get("out_format"))
 
 
 def sweep(names, tokens, dtype, calls, log=print, configs=None, splits=(1,), rows_list=ROWS,
@@ -66,7 +67,7 @@ def sweep(names, tokens, dtype, calls, log=print, configs=None, splits=(1,), row
     points = []
     for name in names:
         for cfg_name in [c for c in ops.OPS[name].configs if configs is None or c in configs]:
-            make, fn, key = _op_fn(name, cfg_name, dtype)
+            make, fn, key, jit = _op_fn(name, cfg_name, dtype)
             for t in tokens:
                 row_elems, max_tile, launch_key = key(t)
                 per_set = ops.OPS[name].bytes_moved(cfg_name, t, dtype)
@@ -81,7 +82,7 @@ def sweep(names, tokens, dtype, calls, log=print, configs=None, splits=(1,), row
                     per_thread = rows * max_tile // (warps * target.warp_size)
                     if per_thread > 128 or per_thread < 2:
                         continue  # spills for sure, or idle threads
-                    f = jax.jit(lambda *a, _c=config: fn(_c, *a))
+                    f = jit(lambda *a, _c=config: fn(_c, *a))
                     try:
                         tm = timing.time_device(f, sets, n_calls=calls)
                     except ValueError as e:

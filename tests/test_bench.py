@@ -135,6 +135,12 @@ def test_residual_stream_updates_in_place_and_keeps_the_sets():
     quantized(*sets[0])
     _, r = quantized(*sets[0])  # x stays the set's own: r = 1 + (1 + 2)
     assert np.all(np.asarray(r) == 4.0)
+    # The benchmark and the launch-config sweep compile the residual add so, and only it.
+    assert isinstance(bench_ops.jit_for("add_rmsnorm", "mxfp8")(fn), bench_ops.ResidualStream)
+    assert not isinstance(bench_ops.jit_for("rmsnorm", None)(fn), bench_ops.ResidualStream)
+    from bench import tune
+
+    assert isinstance(tune._op_fn("add_rmsnorm", "hidden-4096", "bfloat16")[3](fn), bench_ops.ResidualStream)
 
 
 def test_tune_table_and_merge():

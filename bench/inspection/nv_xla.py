@@ -18,13 +18,15 @@ closer than ``bench.inspection.nv_regs`` (pip triton's pipeline); not a predicto
 ``--program PROGRAM:T ...``: a whole program instead (a ``bench.rocm.check.PROGRAMS`` name, or
 ``PROGRAM_EXTRA`` here), listing what XLA's CUDA backend launches for it: fusions and custom calls
 (cuBLASLt GEMMs), as the H200 would run them before autotuning.
-``K3PALLAS_NV_XLA_FLAGS`` adds XLA flags for an experiment (``--xla_gpu_ftz=true``: the kernels
+``K3PALLAS_NV_XLA_CONFIG=ROWS,WARPS`` compiles the cases with that launch config (a sweep's
+candidates before a GPU times them). ``K3PALLAS_NV_XLA_FLAGS`` adds XLA flags for an experiment (``--xla_gpu_ftz=true``: the kernels
 with flush-to-zero). ``denormal_guards``: the ``FSETP`` range checks that ``ex2.approx`` /
 ``rsqrt.approx`` without flush-to-zero expand to (each with two predicated multiplies).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -141,6 +143,8 @@ def _compile_in_env(case: str, env: dict) -> None:
 
     from bench import cases as ops
     from bench.rocm import check as rocm_check
+    from k3pallas.kernels import hooks
+    from k3pallas.kernels.launch import LaunchConfig
 
     with open(env["target_config"]) as fh:
         topo = topologies.get_topology_desc("h200", "cuda", target_config=fh.read(),
@@ -151,7 +155,9 @@ def _compile_in_env(case: str, env: dict) -> None:
     fn, args = rocm_check.case_fn({"op": name, "config": cfg, "tokens": int(t),
                                    **({"fp8_cast": "native"} if ops.OPS[name].fp8 else {})})
     structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
-    with jax.set_mesh(mesh):
+    forced = os.environ.get("K3PALLAS_NV_XLA_CONFIG")  # "ROWS,WARPS": this launch config instead
+    with jax.set_mesh(mesh), (hooks.forced(LaunchConfig(*map(int, forced.split(",")), 1))
+                              if forced else contextlib.nullcontext()):
         jax.jit(fn).trace(*structs).lower().compile()
 
 
