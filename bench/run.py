@@ -1,10 +1,11 @@
 """``python -m bench``: every op, fused against unfused, XLA and the copy ceiling, device-timed.
 
-Writes ``results.md`` (the tables, also printed; ``--name``: another stem), ``results.json`` (every number and the
+Writes ``results.md`` (the tables, also printed), ``results.json`` (every number and the
 environment) and, with matplotlib installed, ``results.png`` (bandwidth against tokens) to
-``--out``. The two reports are rewritten after every case, marked partial until the last one,
-so a run cut short (a time limit) still leaves what it measured. Without a GPU it runs the interpret and reference paths at small sizes and labels the
-numbers as CPU wall-clock.
+``--out`` (``--name``: another stem). The two reports are rewritten after every case, marked
+partial until the last one, so a run cut short (a time limit) still leaves what it measured;
+``--merge`` joins runs split over several calls into one report. Without a GPU it runs the
+interpret and reference paths at small sizes and labels the numbers as CPU wall-clock.
 """
 
 from __future__ import annotations
