@@ -5,6 +5,8 @@
 # One GPU-machine session: GPU tests, a trace sample, the benchmark and the launch-config sweep,
 # all written under $OUT (the device tool brings that folder back). Usage, on the GPU machine:
 #   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded] [peers] [ncu]
+# e.g. a sweep, then the benchmark and the peers on its table, in one call:
+#   TUNE_ARGS="--ops add_rmsnorm --write" TUNE_APPLY=1 BENCH_ARGS="--ops add_rmsnorm" ... tune bench peers
 # ncu: NCU_CASES="OP:CONFIG:T ..."
 # (Nsight Compute on each case's first kernel launch, bench.inspection.profile_cases; all into ncu.txt).
 # tests: 378 GPU tests, 153 s on the H200 with 12 pytest-xdist workers (one test then ran out of
@@ -28,7 +30,10 @@ for step in $steps; do
            XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu tests -q -p no:cacheprovider -rfEs $xdist 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     trace) timeout 60 python3 -m bench.inspection.trace_dump "$OUT/trace_sample.json" 2>&1 | tail -8 ;;
     bench) timeout ${BENCH_TIMEOUT:-300} python3 -m bench --out "$OUT" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" | grep -v '^\[' | tail -60 ;;
-    tune) timeout ${TUNE_TIMEOUT:-560} python3 -m bench.tune --out "$OUT" $TUNE_ARGS 2>"$OUT/tune.log" | tail -40 ;;
+    # TUNE_APPLY=1 (with --write in TUNE_ARGS): the new table replaces the tree's, so the steps
+    # after it in the same call (bench, peers) measure the tuned configs.
+    tune) timeout ${TUNE_TIMEOUT:-560} python3 -m bench.tune --out "$OUT" $TUNE_ARGS 2>"$OUT/tune.log" | tail -40
+          [[ ${TUNE_APPLY:-0} == 1 && -f "$OUT/tuned_configs.json" ]] && cp "$OUT/tuned_configs.json" k3pallas/kernels/tuned_configs.json && echo "applied $OUT/tuned_configs.json" ;;
     hlo) timeout 180 python3 -m bench.inspection.hlo_report --out "$OUT" 2>"$OUT/hlo_report.log" | tail -12 ;;
     model) timeout 180 python3 -m k3pallas.models.kimi_k3 --tokens ${MODEL_TOKENS:-4096} --impl pallas 2>&1 | grep -v Warning | tee "$OUT/model_block.log" ;;
     ncu) for c in ${NCU_CASES:-}; do
