@@ -335,5 +335,6 @@ def main(argv=None) -> int:
     # The bandwidth plot is a GPU result; CPU wall-clock numbers would only mislead in a picture.
     plotted = gpu and plot(records, env, os.path.join(args.out, f"{args.name}.png"))
     print(md)
-    _log(f"wrote {args.out}/{args.name}.md, {args.name}.json" + (f", {args.name}.png" if plotted else ""))
+    _log(f"wrote {args.out}/{args.name}.md, {args.name}.json"
+         + (f", {args.name}.png" if plotted else ""))
     return 0

@@ -19,8 +19,8 @@ format             elements                     scale           one scale per
 =================  ===========================  ==============  ==================================
 
 ``Format.block``: elements per scale along the last axis (32 for MX, 128 for group FP8), or None
-for a scale over a whole token (or column group); kernels pick their tiling by it. The exact semantics, with the
-numbers behind each default: docs/formats.md.
+for a scale over a whole token (or column group); kernels pick their tiling by it. The exact
+semantics, with the numbers behind each default: docs/formats.md.
 """
 
 from __future__ import annotations

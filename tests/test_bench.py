@@ -106,7 +106,8 @@ def test_quick_mode_end_to_end(tmp_path):
                            "--out", str(tmp_path), "--name", "merged"]) == 0
     merged = json.loads((tmp_path / "merged.json").read_text())
     assert len(merged["records"]) == 2 * len(recs)
-    assert [r["git_commit"] for r in merged["environment"]["runs"]] == [env["git_commit"], "abc1234"]
+    runs = merged["environment"]["runs"]
+    assert [r["git_commit"] for r in runs] == [env["git_commit"], "abc1234"]
     md = (tmp_path / "merged.md").read_text()
     assert "abc1234" in md and "PARTIAL RUN: 5 of 6 cases" in md
 
@@ -140,7 +141,8 @@ def test_residual_stream_updates_in_place_and_keeps_the_sets():
     assert not isinstance(bench_ops.jit_for("rmsnorm", None)(fn), bench_ops.ResidualStream)
     from bench import tune
 
-    assert isinstance(tune._op_fn("add_rmsnorm", "hidden-4096", "bfloat16")[3](fn), bench_ops.ResidualStream)
+    jit = tune._op_fn("add_rmsnorm", "hidden-4096", "bfloat16")[3]
+    assert isinstance(jit(fn), bench_ops.ResidualStream)
 
 
 def test_tune_table_and_merge():

@@ -19,8 +19,8 @@ closer than ``bench.inspection.nv_regs`` (pip triton's pipeline); not a predicto
 ``PROGRAM_EXTRA`` here), listing what XLA's CUDA backend launches for it: fusions and custom calls
 (cuBLASLt GEMMs), as the H200 would run them before autotuning.
 ``K3PALLAS_NV_XLA_CONFIG=ROWS,WARPS`` compiles the cases with that launch config (a sweep's
-candidates before a GPU times them). ``K3PALLAS_NV_XLA_FLAGS`` adds XLA flags for an experiment (``--xla_gpu_ftz=true``: the kernels
-with flush-to-zero). ``denormal_guards``: the ``FSETP`` range checks that ``ex2.approx`` /
+candidates before a GPU times them). ``K3PALLAS_NV_XLA_FLAGS`` adds XLA flags for an experiment
+(``--xla_gpu_ftz=true``: the kernels with flush-to-zero). ``denormal_guards``: the ``FSETP`` range checks that ``ex2.approx`` /
 ``rsqrt.approx`` without flush-to-zero expand to (each with two predicated multiplies).
 """
 
