@@ -62,7 +62,9 @@ def _op_fn(name, cfg_name, dtype):
 
 
 def sweep(names, tokens, dtype, calls, log=print, configs=None, splits=(1,), rows_list=ROWS,
-          warps_list=WARPS):
+          warps_list=WARPS, on_point=None):
+    """Every point of the grid; ``on_point(target, points)`` after each (op, config, T): a sweep
+    cut by a time limit keeps what it measured."""
     target = platform.current_target()
     points = []
     for name in names:
@@ -108,6 +110,8 @@ def sweep(names, tokens, dtype, calls, log=print, configs=None, splits=(1,), row
                     f"S={best['split']} {best['us']:.2f} us; heuristic R={default.rows_per_program} "
                     f"w={default.num_warps} S={default.split} "
                     f"{dflt['us'] if dflt else float('nan'):.2f} us")
+                if on_point is not None:
+                    on_point(target, points)
     return target, points
 
 
@@ -165,6 +169,23 @@ def markdown(target, points) -> str:
     return "\n".join(lines)
 
 
+def write_table(path, target, points, args):
+    """The shipped table with this sweep's winners merged under ``target.arch``, written to ``path``."""
+    try:
+        with open(launch.TUNED_PATH) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        data = {}
+    configs = data.setdefault("configs", {})
+    configs[target.arch] = merge(configs.get(target.arch, {}), table(points, args.up_to))
+    data["note"] = ("written by python -m bench.tune --write; rows: [max_tokens, padded row "
+                    "elements, rows_per_program, num_warps, num_stages(, split)]")
+    data.setdefault("sources", {})[target.arch] = {"device_kind": target.device_kind,
+                                                   "jax": jax.__version__, "dtype": args.dtype}
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -186,34 +207,27 @@ def main(argv=None):
     if not target.is_gpu:
         raise SystemExit("bench.tune needs a GPU (it times compiled kernels)")
     t0 = time.time()
+
+    def save(target, points):
+        md = markdown(target, points)
+        write_report(args.out, "tune", md, {"device_kind": target.device_kind, "arch": target.arch,
+                                            "jax": jax.__version__, "dtype": args.dtype,
+                                            "points": points})
+        if args.write:
+            write_table(os.path.join(args.out, "tuned_configs.json"), target, points, args)
+        return md
+
     target, points = sweep([o for o in args.ops.split(",") if o],
                            [int(t) for t in args.tokens.split(",")], args.dtype, args.calls,
                            log=lambda m: print(f"[{time.time() - t0:6.1f}s] {m}", file=sys.stderr, flush=True),
                            configs=args.configs.split(",") if args.configs else None,
                            splits=[int(s) for s in args.splits.split(",")],
                            rows_list=[int(r) for r in args.rows.split(",")],
-                           warps_list=[int(w) for w in args.warps.split(",")])
-    md = markdown(target, points)
-    write_report(args.out, "tune", md, {"device_kind": target.device_kind, "arch": target.arch,
-                                        "jax": jax.__version__, "dtype": args.dtype,
-                                        "points": points})
-    print(md)
+                           warps_list=[int(w) for w in args.warps.split(",")],
+                           on_point=save)
+    print(save(target, points))
     if args.write:
-        path = launch.TUNED_PATH
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            data = {}
-        configs = data.setdefault("configs", {})
-        configs[target.arch] = merge(configs.get(target.arch, {}), table(points, args.up_to))
-        data["note"] = ("written by python -m bench.tune --write; rows: [max_tokens, padded row "
-                        "elements, rows_per_program, num_warps, num_stages(, split)]")
-        data.setdefault("sources", {})[target.arch] = {"device_kind": target.device_kind,
-                                                       "jax": jax.__version__, "dtype": args.dtype}
-        with open(os.path.join(args.out, "tuned_configs.json"), "w") as f:
-            json.dump(data, f, indent=1)
-        print(f"wrote {args.out}/tuned_configs.json (copy it to {path})", file=sys.stderr)
+        print(f"wrote {args.out}/tuned_configs.json (copy it to {launch.TUNED_PATH})", file=sys.stderr)
     return 0
 
 
