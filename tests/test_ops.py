@@ -187,6 +187,21 @@ def test_against_the_float64_oracle(rng, op, fmt, dtype, impl):
     check(op, arrays, out, fmt_value, f"{op} {fmt} {dtype} {impl}", exact=op == "quantize")
 
 
+@pytest.mark.parametrize("fmt,width", [("mxfp8", 224), ("mxfp4", 224), ("group128", 896),
+                                       ("group128-ue8m0-fnuz", 896)])
+def test_one_padded_block_piece(rng, fmt, width):
+    """7 blocks per row (DeepSeek-V3's hidden size has 224 and 56): the block axis as ONE piece
+    padded to 8, its last block masked, not three exact pieces (``block_scaled.block_parts``)."""
+    from k3pallas.kernels import block_scaled
+    assert block_scaled.block_parts(7) == [(0, 8)] and len(block_scaled.block_parts(6)) == 2
+    arrays = (tokens(rng, (T, width), "bfloat16"),
+              tokens(rng, (T, width), "bfloat16", specials=False), weight(rng, width, "bfloat16"))
+    f = FORMATS[fmt]
+    with testing.poisoned_outputs():
+        out = jax.jit(lambda *a: CASES["add_rmsnorm"].call(a, f, "interpret"))(*arrays)
+    check("add_rmsnorm", arrays, out, f.resolve(kp.current_target()), f"padded piece {fmt}")
+
+
 @pytest.mark.parametrize("fmt", [None, "e4m3fnuz", "mxfp4"])
 def test_silu(rng, fmt):
     """The gated norm's other activation (the body above runs sigmoid)."""

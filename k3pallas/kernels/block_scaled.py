@@ -41,13 +41,23 @@ class Piece:
     blocks: tuple  # (first block, blocks) of this piece, for weights in block layout
 
 
+def block_parts(n_blocks: int) -> list[tuple[int, int]]:
+    """The power-of-two pieces of a row's block axis: one padded piece where that wastes at most
+    an eighth of the lanes (7168 columns: 56 groups of 128 in 64), else up to three exact ones
+    (1536: 32 + 16 blocks of 32). Each piece has its own reductions and layout changes through
+    shared memory: one piece of the 7168 row compiles to 11 barriers at 8 warps, three to 27
+    (docs/residual.md)."""
+    padded = common.pow2(n_blocks)
+    return common.pow2_parts(n_blocks, max_parts=1 if 8 * (padded - n_blocks) <= padded else 3)
+
+
 def pieces(rows, in_rows, n_blocks, block, per_byte, col0=0):
     """The block pieces of ``rows`` rows (``in_rows``: their ``[R]`` mask): ``n_blocks`` blocks of
-    ``block`` starting at column ``col0`` of the input, as power-of-two pieces of the block axis.
-    Code and scale indices count from column 0 of the outputs."""
+    ``block`` starting at column ``col0`` of the input, as power-of-two pieces of the block axis
+    (``block_parts``). Code and scale indices count from column 0 of the outputs."""
     r = jnp.arange(rows, dtype=jnp.int32)
     half = block // 2
-    for b0, bs in common.pow2_parts(n_blocks):
+    for b0, bs in block_parts(n_blocks):
         b = b0 + jnp.arange(bs, dtype=jnp.int32)
         mask = in_rows[:, None]
         if b0 + bs > n_blocks:  # the padded last piece
@@ -210,7 +220,7 @@ def _gated_kernel(x_ref, g_ref, w_ref, codes_ref, scale_ref, *, n_rows, rows, wi
 
 def row_elems(width: int, n_inputs: int, block: int) -> tuple[int, int]:
     """(elements a row loads over the inputs, elements of its largest tile row)."""
-    parts = common.pow2_parts(width // block)
+    parts = block_parts(width // block)
     return n_inputs * sum(s for _, s in parts) * block, parts[0][1] * block
 
 
