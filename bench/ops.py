@@ -94,6 +94,23 @@ class ResidualStream:
         return y, new_r
 
 
+def _no_aliases(call):
+    return dataclasses.replace(call, aliases={})
+
+
+def fresh_outputs(fn):
+    """``fn`` jitted with every launch's input/output aliases removed (``hooks.wrapping``): the
+    same kernel writing new buffers, as the PyTorch peers do, beside ``ResidualStream``'s in-place
+    call; what the two differ by is the cost of writing over the inputs (docs/residual.md)."""
+    # A function of its own: jax caches a trace per function, and fn's may exist without the hook.
+    jitted = jax.jit(lambda *args: fn(*args))
+
+    def run(*args):
+        with hooks.wrapping(_no_aliases):
+            return jitted(*args)
+    return run
+
+
 def jit_for(op: str, out_format):
     """How the benchmark and the sweep compile an op's variants: the residual add in place, as a
     decoder layer runs it (``ResidualStream``), every other op with ``jax.jit``."""

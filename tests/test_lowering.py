@@ -73,6 +73,20 @@ def test_add_rmsnorm_writes_over_its_inputs(target, fmt):
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t[0])
+def test_fresh_outputs_write_new_buffers(target):
+    """``bench.ops.fresh_outputs`` (the peers tool's ``fresh`` column): the same one launch with
+    no output over an input."""
+    from bench import ops as bench_ops
+
+    args = (sds((64, 512)), sds((64, 512)), sds((512,)))
+    fn = lambda *a: kp.add_rmsnorm(*a, impl="pallas")  # noqa: E731
+    text = lowered_text(bench_ops.fresh_outputs(fn), args, target)
+    assert text.count(TRITON_CALL) == 1 and "k3pallas_add_rmsnorm" in text
+    assert "output_tuple_indices" not in text
+    assert "output_tuple_indices" in lowered_text(fn, args, target)
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t[0])
 @pytest.mark.parametrize("fp8_dtype", FP8, ids=lambda d: jnp.dtype(d).name)
 def test_every_fp8_dtype_lowers(target, fp8_dtype):
     x, w, g = sds((64, 5, 96)), sds((96,), jnp.float32), sds((64, 5, 96))

@@ -5,7 +5,9 @@ in ONE process with ONE clock: Liger's ``fused_add_rms_norm_forward`` and flash-
 code and the copy ceiling (read two tensors, write two).
 
 Every variant writes the normalized ``y`` and the new residual ``x + r``; k3pallas and XLA in
-place (donated, ``bench.ops.ResidualStream``), the peers into new tensors. Each peer is checked
+place (donated, ``bench.ops.ResidualStream``), the peers into new tensors, and the k3pallas
+kernel once more into new buffers (``fresh``: ``bench.ops.fresh_outputs``), which tells what
+writing over the inputs costs. Each peer is checked
 against a float64 NumPy oracle first (bf16 output: 2**-7 relative; the residual exact). Device
 time from ``jax.profiler`` events (``bench.timing``; CUPTI records the torch kernels too), per
 call over ``--calls`` calls cycling through input sets (3x the L2 where a set is small). The
@@ -114,6 +116,7 @@ def main(argv=None):
         jw = jnp.asarray(tw.float().cpu().numpy(), jnp.bfloat16)
         in_place = bench_ops.jit_for("add_rmsnorm", None)  # as the benchmark times it
         ours = in_place(lambda x, r: k3pallas.add_rmsnorm(x, r, jw, EPS, impl="pallas"))
+        fresh = bench_ops.fresh_outputs(lambda x, r: k3pallas.add_rmsnorm(x, r, jw, EPS, impl="pallas"))
         xla = in_place(lambda x, r: k3pallas.add_rmsnorm(x, r, jw, EPS, impl="reference"))
         for t in (int(v) for v in args.tokens.split(",")):
             nbytes = 4 * t * d * 2  # read x and r, write y and the new residual
@@ -126,6 +129,8 @@ def main(argv=None):
             row = {"hidden": d, "tokens": t, "sets": n_sets}
             us, k = _jax_us(ours, jsets, args.calls)
             row["k3pallas"] = dict(_spread(us), kernels=k)
+            us, k = _jax_us(fresh, jsets, args.calls)
+            row["fresh"] = dict(_spread(us), kernels=k)
             us, k = _jax_us(xla, jsets, args.calls)
             row["xla"] = dict(_spread(us), kernels=k)
             make_copy, copies = bench_ops.copy_variants(nbytes)
@@ -147,7 +152,7 @@ def main(argv=None):
 
 
 def report(rows, peer_names, calls, env) -> str:
-    cols = ["k3pallas", "xla", *peer_names, "copy"]
+    cols = ["k3pallas", *(["fresh"] if rows and "fresh" in rows[0] else []), "xla", *peer_names, "copy"]
 
     def cell(v):
         if "error" in v:
@@ -157,7 +162,9 @@ def report(rows, peer_names, calls, env) -> str:
              f"Device time per call, us, median of {calls} calls (`(n)`: kernels per call), "
              "jax.profiler clock for all, one process (`python -m bench.inspection."
              f"beside_add_norm`, jax {env['jax']}, torch {env['torch']}); bf16; k3pallas and xla "
-             "in place (donated), the peers into new tensors; `copy`: the copy of the same bytes "
+             "in place (donated), the peers into new tensors; `fresh`: the k3pallas kernel with its "
+             "aliases removed, into new buffers as the peers (`bench.ops.fresh_outputs`); "
+             "`copy`: the copy of the same bytes "
              "(read x and r, write y and the residual); `% copy`: copy / k3pallas.", "",
              "| hidden | T | " + " | ".join(cols) + " | % copy |",
              "|---|---|" + "---|" * (len(cols) + 1)]
