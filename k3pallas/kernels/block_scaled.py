@@ -41,23 +41,25 @@ class Piece:
     blocks: tuple  # (first block, blocks) of this piece, for weights in block layout
 
 
-def block_parts(n_blocks: int) -> list[tuple[int, int]]:
-    """The power-of-two pieces of a row's block axis: one padded piece where that wastes at most
-    an eighth of the lanes (7168 columns: 56 groups of 128 in 64), else up to three exact ones
-    (1536: 32 + 16 blocks of 32). Each piece has its own reductions and layout changes through
-    shared memory: one piece of the 7168 row compiles to 11 barriers at 8 warps, three to 27
-    (docs/residual.md)."""
-    padded = common.pow2(n_blocks)
-    return common.pow2_parts(n_blocks, max_parts=1 if 8 * (padded - n_blocks) <= padded else 3)
+def block_parts(n_blocks: int, padded: bool = False) -> list[tuple[int, int]]:
+    """The power-of-two pieces of a row's block axis: up to three exact ones (1536 columns: 32 +
+    16 blocks of 32); with ``padded`` (the norms), one padded piece where that wastes at most an
+    eighth of the lanes (7168: 56 groups of 128 in 64). Each piece has its own reductions and
+    layout changes through shared memory: one piece of the 7168 row compiles to 11 barriers at
+    8 warps, three to 27, and runs 1.2-3x faster (docs/residual.md). The row kernels (quantize,
+    sigmoid-mul) keep exact pieces: one piece is not timed for them."""
+    size = common.pow2(n_blocks)
+    one = padded and 8 * (size - n_blocks) <= size
+    return common.pow2_parts(n_blocks, max_parts=1 if one else 3)
 
 
-def pieces(rows, in_rows, n_blocks, block, per_byte, col0=0):
+def pieces(rows, in_rows, n_blocks, block, per_byte, col0=0, padded=False):
     """The block pieces of ``rows`` rows (``in_rows``: their ``[R]`` mask): ``n_blocks`` blocks of
     ``block`` starting at column ``col0`` of the input, as power-of-two pieces of the block axis
     (``block_parts``). Code and scale indices count from column 0 of the outputs."""
     r = jnp.arange(rows, dtype=jnp.int32)
     half = block // 2
-    for b0, bs in block_parts(n_blocks):
+    for b0, bs in block_parts(n_blocks, padded):
         b = b0 + jnp.arange(bs, dtype=jnp.int32)
         mask = in_rows[:, None]
         if b0 + bs > n_blocks:  # the padded last piece
@@ -175,12 +177,13 @@ def _rows_kernel(*refs, n_rows, rows, width, n_inputs, q, combine):
 
 
 def normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, *, in_rows, rows, col0, width,
-                            eps, q, ftz, g_ref=None, activation="sigmoid", res=None):
+                            eps, q, ftz, g_ref=None, activation="sigmoid", res=None, padded=False):
     """Columns ``col0 .. col0 + width`` of ``x_ref``'s rows (``in_rows``: ``[R]``) normalized with
     ``w_ref``, times ``act(g)`` of ``g_ref``'s same columns where one is given (the gated norm),
     and quantized by blocks: the gated block kernel and the first segment of ``kernels.norms``.
     ``res``: (residual ref, new residual ref): the residual is added first (``common.residual_add``:
-    the sum, rounded to x's dtype, is stored and normalized)."""
+    the sum, rounded to x's dtype, is stored and normalized). ``padded``: the block axis as one
+    padded piece where ``block_parts`` allows it (the norms; the gated heads are powers of two)."""
     block, per_byte = q.fmt.block, q.fmt.per_byte
     n_blocks = width // block
     trail = 2 if per_byte == 1 else 3  # the block axes of a tile
@@ -194,7 +197,7 @@ def normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, *, in_rows, rows
                None if g_ref is None else common.load(g_ref, p.load, p.mask),
                common.load(w_ref, weight_index(p, block, per_byte),
                            block_mask(p, n_blocks, per_byte)))
-              for p in pieces(rows, in_rows, n_blocks, block, per_byte, col0=col0)]
+              for p in pieces(rows, in_rows, n_blocks, block, per_byte, col0=col0, padded=padded)]
     ss = None
     for _, x, _, _ in loaded:  # the row's mean square over all its block pieces
         x = x.astype(jnp.float32)
