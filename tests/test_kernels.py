@@ -119,7 +119,8 @@ def test_the_shipped_table_names_launch_keys_that_exist():
         for sizes in spec.sizes.values():
             structs, options = spec.example(8, jnp.dtype("bfloat16"), **sizes)
             with hooks.recording() as log:
-                jax.jit(lambda *a, _s=spec, _o=options: _s.fn(*a, impl="interpret", **_o)).trace(*structs)
+                fn = lambda *a, _s=spec, _o=options: _s.fn(*a, impl="interpret", **_o)  # noqa: E731
+                jax.jit(fn).trace(*structs)
             keys |= {launched.op for launched in log}
     for arch, entries in launch.tuned_table().items():
         assert set(entries) <= keys, (arch, set(entries) - keys)

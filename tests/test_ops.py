@@ -194,7 +194,8 @@ def test_one_padded_block_piece(rng, fmt, width):
     padded to 8, its last block masked, not three exact pieces (``block_scaled.block_parts``)."""
     from k3pallas.kernels import block_scaled
     assert block_scaled.block_parts(7, padded=True) == [(0, 8)]
-    assert len(block_scaled.block_parts(6, padded=True)) == 2 and len(block_scaled.block_parts(7)) == 3
+    assert len(block_scaled.block_parts(6, padded=True)) == 2
+    assert len(block_scaled.block_parts(7)) == 3  # the row kernels: exact pieces
     arrays = (tokens(rng, (T, width), "bfloat16"),
               tokens(rng, (T, width), "bfloat16", specials=False), weight(rng, width, "bfloat16"))
     f = FORMATS[fmt]
