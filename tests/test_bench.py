@@ -240,6 +240,7 @@ def test_nv_xla_parsers():
         nv_xla.target_config(b"nothing here")
 
 
+@pytest.mark.slow  # a compile in the nv_xla environment's own process
 @pytest.mark.skipif(not os.path.exists(os.path.join(nv_xla.env_dir(), "env.json")),
                     reason="no nv_xla environment (python -m bench.inspection.nv_xla --setup)")
 def test_nv_xla_compiles_for_a_deviceless_h200():
