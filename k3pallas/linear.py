@@ -11,6 +11,7 @@ XLA elementwise fusion. MX: ``jax.nn.scaled_matmul`` on a GPU (on gfx950 XLA's T
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -75,20 +76,24 @@ def quantize_weight(w, out_format, *, layout="nk") -> QuantizedWeight:
             fmt.check_width(w.shape[0], "K (the first dim of w)")
     except (TypeError, ValueError) as e:
         raise type(e)(f"{op}: {e}") from None
-    def quantize(w):
-        wf = w.astype(jnp.float32)
-        if fmt.block is None:
-            amax = jnp.max(jnp.abs(wf), axis=0)
-            scale = jnp.where(amax > 0, amax / fmt.fp8_max, 1.0)
-            scale = jnp.where(jnp.any(jnp.isnan(wf), axis=0), jnp.nan, scale)
-            codes = jnp.clip(wf / scale, -fmt.fp8_max, fmt.fp8_max).astype(fmt.dtype)
-            return codes.T, scale.astype(jnp.float32)  # [N, K], [N]
-        return fmt.quantize_weight(wf.T)  # [N, K] and the format's weight scales
-
-    data, scale = ops.inference_only(op, quantize, w)
+    data, scale = ops.inference_only(op, functools.partial(_quantize_weight, fmt=fmt), w)
     if layout == "kn":
         data, scale = data.T, (scale if scale.ndim < 2 else scale.T)
     return QuantizedWeight._unchecked(data, scale, fmt, layout)
+
+
+# One compiled program per (shape, format): weights are prepared outside jit, where the jnp ops
+# one by one would each be a dispatch (and on first use a compile) of their own.
+@functools.partial(jax.jit, static_argnames="fmt")
+def _quantize_weight(w, fmt):
+    wf = w.astype(jnp.float32)
+    if fmt.block is None:
+        amax = jnp.max(jnp.abs(wf), axis=0)
+        scale = jnp.where(amax > 0, amax / fmt.fp8_max, 1.0)
+        scale = jnp.where(jnp.any(jnp.isnan(wf), axis=0), jnp.nan, scale)
+        codes = jnp.clip(wf / scale, -fmt.fp8_max, fmt.fp8_max).astype(fmt.dtype)
+        return codes.T, scale.astype(jnp.float32)  # [N, K], [N]
+    return fmt.quantize_weight(wf.T)  # [N, K] and the format's weight scales
 
 
 def weight_from_checkpoint(weight, weight_scale_inv, *, out_format="fp8_group128"):

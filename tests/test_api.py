@@ -221,7 +221,7 @@ def test_jit_vmap_and_leading_shapes(rng, impl):
 def test_zero_rows(rng, name, impl):
     """Empty outputs of the right shapes, no launch (round 3: MX at 0 tokens raised
     ZeroDivisionError)."""
-    fn, args = case(rng, name, tokens=1)
+    fn, _ = case(rng, name, tokens=1)
     spec = bench_cases.OPS[name]
     structs, _ = spec.example(0, jnp.dtype(jnp.float32), **spec.sizes["test"])
     empty = [jnp.zeros(s.shape, s.dtype) for s in structs]
@@ -232,7 +232,6 @@ def test_zero_rows(rng, name, impl):
     if impl != "reference":
         text = jax.jit(lambda *a: fn(*a, impl=impl)).lower(*empty).as_text()
         assert "pallas" not in text.lower(), name
-    assert jax.tree_util.tree_leaves(fn(*args, impl=impl))[0].shape[0] == 1
 
 
 def test_shorthands_are_the_functions(rng):
