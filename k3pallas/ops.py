@@ -208,6 +208,24 @@ def inference_only(what, fn, *arrays):
     return wrapped(*arrays)
 
 
+@functools.lru_cache(maxsize=256)
+def _compiled_reference(name, fmt, options):
+    return jax.jit(functools.partial(OPS[name].reference, fmt=fmt, **dict(options)))
+
+
+def _jitted(name, fmt, options, ref):
+    """``ref`` as one jitted function, cached by op, format and options: called eagerly, jnp ops
+    run one by one would each be a dispatch (and, at a new shape, a compile) of their own, and
+    could round differently from the same code compiled whole (XLA rewrites a division by a
+    constant); under jit or vmap it is inlined. ``ref`` itself where an option is unhashable."""
+    key = tuple(sorted(options.items()))
+    try:
+        hash((fmt, key))
+    except TypeError:
+        return ref
+    return _compiled_reference(name, fmt, key)
+
+
 def call(name: str, impl, arrays, options: dict, *, fmt, fp8_cast, target: platform.Target):
     """Run op ``name`` on ``arrays`` (as the user passed them, checked) with ``options``, writing
     format ``fmt`` (resolved for ``target``; None: unquantized) with the conversion mode
@@ -229,7 +247,7 @@ def call(name: str, impl, arrays, options: dict, *, fmt, fp8_cast, target: platf
     sharding.check_call_shardings(name, impl, rows,
                                   [(arrays[i], what, block) for i, what, block in layout.whole])
     if impl == "reference":
-        return inference_only(name, ref, *arrays)
+        return inference_only(name, _jitted(name, fmt, options, ref), *arrays)
     lead = arrays[0].shape[:arrays[0].ndim - 1]
     if math.prod(lead) == 0:
         return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
