@@ -220,10 +220,11 @@ def test_every_launch_fits_the_target(arch):
     _fits(arch, SAMPLED_TOKENS)
 
 
+# The H200 only: the ROCm gate compiles (and checks the threads of) every kernel for gfx942 and
+# gfx950 at every one of these token counts.
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", list(testing.KNOWN_TARGETS))
-def test_every_launch_fits_the_target_at_every_token_count(arch):
-    _fits(arch, k3ops.DEFAULT_TOKENS)
+def test_every_launch_fits_the_h200_at_every_token_count():
+    _fits("h200", k3ops.DEFAULT_TOKENS)
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "h200"])

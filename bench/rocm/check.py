@@ -588,8 +588,8 @@ def gemm_summary(pr) -> str:
 def run_xla(all_cases, programs, log, env_dir=None, sharded=(), parallel=2) -> tuple[list, list, dict]:
     """Compile with XLA's ROCm backend: per arch, one worker process for the kernel cases and the
     1-device programs, one for the programs with Triton GEMMs off (what the FP8 o_proj becomes
-    then), and one per sharded case (8-device topology; a fresh process, so that every kernel's
-    HSACO is written anew). ``parallel`` workers at a time."""
+    then), and one for the sharded cases (8-device topology). ``parallel`` workers at a time, the
+    next one started as soon as any finishes."""
     from bench.rocm import env as rocm_env
 
     env = rocm_env.ensure(env_dir, log=log)
@@ -600,10 +600,12 @@ def run_xla(all_cases, programs, log, env_dir=None, sharded=(), parallel=2) -> t
         if programs:
             jobs.append((arch, "gemm_off", [c for c in program_cases if c["program"] != "mla_front"],
                          {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}))
-        jobs += [(arch, "sharded", [c], {}) for c in sharded]
+        if sharded:
+            jobs.append((arch, "sharded", list(sharded), {}))
+    # The longest first, so that the short ones fill the other worker's time.
+    jobs.sort(key=lambda job: -len(job[2]))
     kernels, progs, gemm_off, shard_rows = [], [], [], []
     with tempfile.TemporaryDirectory() as work:
-        running, done = [], 0
 
         def start(i, job):
             arch, mode, cases, flags = job
@@ -615,18 +617,19 @@ def run_xla(all_cases, programs, log, env_dir=None, sharded=(), parallel=2) -> t
             xla_flags = " ".join(filter(None, [f"--xla_dump_to={dump}", flags.get("XLA_FLAGS")]))
             extra = {"TF_XLA_HSACO_CACHE_DIR": hsaco, "TF_XLA_HSACO_BITCODE_SIZE_THRESHOLD": "0",
                      "K3PALLAS_XLA_DUMP": dump, "XLA_FLAGS": xla_flags}
-            out = os.path.join(work, f"{i}-out.json")
+            out, err = os.path.join(work, f"{i}-out.json"), os.path.join(work, f"{i}-stderr.txt")
             worker_mode = "sharded" if mode == "sharded" else "kernels"
-            proc = subprocess.Popen([env["python"], "-m", "bench.rocm.xla", arch, path, out, worker_mode],
-                                    env=rocm_env.worker_environ(env, extra), cwd=rocm_env._repo_root(),
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            return (job, out, proc)
+            with open(err, "w") as err_file:  # a file, not a pipe: nothing blocks on a full pipe
+                proc = subprocess.Popen([env["python"], "-m", "bench.rocm.xla", arch, path, out, worker_mode],
+                                        env=rocm_env.worker_environ(env, extra), cwd=rocm_env._repo_root(),
+                                        stdout=subprocess.DEVNULL, stderr=err_file)
+            return (job, out, err, proc)
 
-        def finish(job, out, proc):
+        def finish(job, out, err, proc):
             arch, mode, cases, _ = job
-            _, err = proc.communicate()
             if proc.returncode != 0:
-                lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+                with open(err) as f:
+                    lines = [ln for ln in f.read().strip().splitlines() if ln.strip()]
                 raise SystemExit(f"rocm_check: the XLA ROCm worker ({arch}, {mode}) failed: "
                                  f"{(lines or ['?'])[-1][:400]}")
             with open(out) as f:
@@ -639,16 +642,26 @@ def run_xla(all_cases, programs, log, env_dir=None, sharded=(), parallel=2) -> t
                 gemm_off.extend(got["programs"])
             else:
                 shard_rows.extend(got["sharded"])
+                log(f"{arch}: sharded: {len(cases)} cases, {len(got['sharded'])} kernels")
 
-        for i, job in enumerate(jobs):
-            while len(running) >= parallel:
-                finish(*running.pop(0))
-                done += 1
-            running.append(start(i, job))
-        for r in running:
-            finish(*r)
-        if sharded:
-            log(f"sharded: {len(sharded)} cases x {len(ARCHS)} archs, {len(shard_rows)} kernels")
+        pending, running = list(enumerate(jobs)), []
+        try:
+            while pending or running:
+                while pending and len(running) < parallel:
+                    running.append(start(*pending.pop(0)))
+                time.sleep(0.5)
+                for r in [r for r in running if r[3].poll() is not None]:
+                    running.remove(r)
+                    finish(*r)
+        finally:
+            for r in running:
+                r[3].kill()
+    # The report's order: arch by arch, as the jobs were listed before sorting.
+    order = {a: i for i, a in enumerate(ARCHS)}
+    kernels.sort(key=lambda r: order[r["arch"]])
+    progs.sort(key=lambda r: order[r["arch"]])
+    gemm_off.sort(key=lambda r: order[r["arch"]])
+    shard_rows.sort(key=lambda r: order[r["arch"]])
     return kernels, progs, {"jax_rocm": env["jax"], "devices": target_devices(env),
                             "gemm_off": gemm_off, "sharded": shard_rows}
 

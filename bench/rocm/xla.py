@@ -14,7 +14,8 @@ MI355X user's jax does), and reads what came out:
   dot became. Deviceless there is no autotuning: XLA takes its default GEMM choice.
 
 XLA compiles a kernel once per process: a case whose kernel it has already compiled writes no new
-HSACO, and takes the one of the earlier case with the same Triton IR.
+HSACO, and takes the resources of the earlier case with the same Triton call as compiled (IR,
+warps, stages; ``triton_calls``). The sharded cases of an arch share one process.
 """
 
 from __future__ import annotations
@@ -95,6 +96,22 @@ def parse_code(dis: str, kernel: str) -> dict:
             # Transcendentals: quarter rate on CDNA (16 clocks per wave64 instruction).
             "trans": sum(op.startswith(TRANSCENDENTAL) for op in code),
             "dot": sum(op.startswith("v_dot") for op in code)}
+
+
+def triton_calls(hlo: str) -> dict:
+    """{kernel name: key} of every Triton call in a compiled program's HLO, as compiled (after
+    SPMD partitioning: the per-device kernel). The key hashes the call's backend config (the
+    Triton IR, name, warps, stages) without the grid, which does not change the machine code."""
+    out = {}
+    for line in hlo.splitlines():
+        if "__gpu$xla.gpu.triton" not in line or "backend_config={" not in line:
+            continue
+        config = line[line.index("backend_config={"):]
+        ir = re.search(r'\bir = "((?:[^"\\]|\\.)*)"', config)
+        rest = config[ir.end():config.index("}", ir.end()) + 1]
+        name = re.search(r'\bname = "([^"]+)"', rest).group(1)
+        out.setdefault(name, hashlib.sha256((ir.group(1) + rest).encode()).hexdigest())
+    return out
 
 
 _THUNK = re.compile(r"kCustomKernel.*? (\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+) bytes")
@@ -214,6 +231,16 @@ class Compiler:
                 kernels[k["kernel"]] = k
         return compiled, lowered, kernels, _newest_thunks(self.dump_dir, self.seen_dumps)
 
+    def known(self, compiled, kernels):
+        """Fills ``kernels`` (name -> resources) with the kernels of ``compiled`` that this
+        process compiled before (XLA keeps them in memory and writes no new HSACO: the same
+        Triton IR and launch, the earlier resources), and records the new ones."""
+        for name, key in triton_calls(compiled.as_text()).items():
+            if name in kernels:
+                self.by_ir.setdefault(key, kernels[name])
+            elif key in self.by_ir:
+                kernels[name] = self.by_ir[key]
+
     def kernel_case(self, case, fn, args) -> list[dict]:
         from k3pallas import testing
 
@@ -225,14 +252,13 @@ class Compiler:
                 raise
             return [{**case, "error": f"{type(e).__name__}: {str(e)[:300]}"}]
         seconds = round(time.time() - t0, 2)
+        self.known(compiled, kernels)
         rows = []
         for mod in testing.triton_ir_modules(lowered):
-            key = hashlib.sha256(mod["ir"].encode()).hexdigest()
-            res = kernels.get(mod["name"]) or self.by_ir.get(key)
+            res = kernels.get(mod["name"])
             if res is None:
                 rows.append({**case, "kernel": mod["name"], "error": "no HSACO found for the kernel"})
                 continue
-            self.by_ir[key] = res
             launch = launches.get(mod["name"], {})
             threads = launch.get("threads", mod["num_warps"] * 64)
             lds = launch.get("lds")
@@ -247,10 +273,7 @@ class Compiler:
 
         t0 = time.time()
         compiled, lowered, kernels, launches = self.compile(fn, args)
-        for mod in testing.triton_ir_modules(lowered):  # ours, compiled before by a kernel case
-            key = hashlib.sha256(mod["ir"].encode()).hexdigest()
-            if mod["name"] not in kernels and key in self.by_ir:
-                kernels[mod["name"]] = self.by_ir[key]
+        self.known(compiled, kernels)
         hlo = compiled.as_text()
         calls = []
         for line in hlo.splitlines():
@@ -304,6 +327,7 @@ def sharded(comp, case) -> list[dict]:
     try:
         fn, args = rocm_check.sharded_fn(case, comp.mesh)
         compiled, _, kernels, launches = comp.compile(fn, args, case["sharded"] != "named")
+        comp.known(compiled, kernels)
     except Exception as e:  # noqa: BLE001 - a compile error is the gate's finding
         if os.environ.get("K3PALLAS_ROCM_DEBUG"):
             raise
@@ -335,7 +359,7 @@ def sharded(comp, case) -> list[dict]:
 
 def main(arch, cases_path, out_path, mode="kernels"):
     """``mode``: "kernels" (the kernel cases and 1-device programs), "sharded" (one sharded case
-    on an 8-device topology; a process of its own, so every kernel's HSACO is new)."""
+    on an 8-device topology, all in one process)."""
     from bench.rocm import check as rocm_check, env as rocm_env
 
     env = rocm_env.load()
