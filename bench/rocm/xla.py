@@ -358,8 +358,8 @@ def sharded(comp, case) -> list[dict]:
 
 
 def main(arch, cases_path, out_path, mode="kernels"):
-    """``mode``: "kernels" (the kernel cases and 1-device programs), "sharded" (one sharded case
-    on an 8-device topology, all in one process)."""
+    """``mode``: "kernels" (the kernel cases and 1-device programs) or "sharded" (the sharded
+    cases, on an 8-device topology)."""
     from bench.rocm import check as rocm_check, env as rocm_env
 
     env = rocm_env.load()
