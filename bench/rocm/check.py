@@ -658,10 +658,8 @@ def run_xla(all_cases, programs, log, env_dir=None, sharded=(), parallel=2) -> t
                 r[3].kill()
     # The report's order: arch by arch, as the jobs were listed before sorting.
     order = {a: i for i, a in enumerate(ARCHS)}
-    kernels.sort(key=lambda r: order[r["arch"]])
-    progs.sort(key=lambda r: order[r["arch"]])
-    gemm_off.sort(key=lambda r: order[r["arch"]])
-    shard_rows.sort(key=lambda r: order[r["arch"]])
+    for rows in (kernels, progs, gemm_off, shard_rows):
+        rows.sort(key=lambda r: order[r["arch"]])
     return kernels, progs, {"jax_rocm": env["jax"], "devices": target_devices(env),
                             "gemm_off": gemm_off, "sharded": shard_rows}
 

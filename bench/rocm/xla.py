@@ -197,7 +197,7 @@ class Compiler:
         self.target = platform.target_of_device(self.mesh.devices.flat[0])
         self.hsaco_dir = os.environ["TF_XLA_HSACO_CACHE_DIR"]
         self.dump_dir = os.environ["K3PALLAS_XLA_DUMP"]
-        self.seen_hsaco, self.seen_dumps, self.by_ir = set(), set(), {}
+        self.seen_hsaco, self.seen_dumps, self.by_call = set(), set(), {}
         self.jax = jax
 
     def structs(self, args):
@@ -231,15 +231,16 @@ class Compiler:
                 kernels[k["kernel"]] = k
         return compiled, lowered, kernels, _newest_thunks(self.dump_dir, self.seen_dumps)
 
-    def known(self, compiled, kernels):
-        """Fills ``kernels`` (name -> resources) with the kernels of ``compiled`` that this
-        process compiled before (XLA keeps them in memory and writes no new HSACO: the same
-        Triton IR and launch, the earlier resources), and records the new ones."""
-        for name, key in triton_calls(compiled.as_text()).items():
+    def known(self, hlo, kernels):
+        """Fills ``kernels`` (name -> resources) with the kernels of the compiled program ``hlo``
+        (its text) that this process compiled before (XLA keeps them in memory and writes no
+        new HSACO: the same Triton IR and launch, the earlier resources), and records the new
+        ones."""
+        for name, key in triton_calls(hlo).items():
             if name in kernels:
-                self.by_ir.setdefault(key, kernels[name])
-            elif key in self.by_ir:
-                kernels[name] = self.by_ir[key]
+                self.by_call.setdefault(key, kernels[name])
+            elif key in self.by_call:
+                kernels[name] = self.by_call[key]
 
     def kernel_case(self, case, fn, args) -> list[dict]:
         from k3pallas import testing
@@ -252,7 +253,7 @@ class Compiler:
                 raise
             return [{**case, "error": f"{type(e).__name__}: {str(e)[:300]}"}]
         seconds = round(time.time() - t0, 2)
-        self.known(compiled, kernels)
+        self.known(compiled.as_text(), kernels)
         rows = []
         for mod in testing.triton_ir_modules(lowered):
             res = kernels.get(mod["name"])
@@ -269,12 +270,10 @@ class Compiler:
         return rows
 
     def program(self, name, fn, args) -> dict:
-        from k3pallas import testing
-
         t0 = time.time()
-        compiled, lowered, kernels, launches = self.compile(fn, args)
-        self.known(compiled, kernels)
+        compiled, _, kernels, launches = self.compile(fn, args)
         hlo = compiled.as_text()
+        self.known(hlo, kernels)
         calls = []
         for line in hlo.splitlines():
             m = re.search(r'custom_call_target="([^"]+)"', line)
@@ -327,12 +326,12 @@ def sharded(comp, case) -> list[dict]:
     try:
         fn, args = rocm_check.sharded_fn(case, comp.mesh)
         compiled, _, kernels, launches = comp.compile(fn, args, case["sharded"] != "named")
-        comp.known(compiled, kernels)
+        hlo = compiled.as_text()
+        comp.known(hlo, kernels)
     except Exception as e:  # noqa: BLE001 - a compile error is the gate's finding
         if os.environ.get("K3PALLAS_ROCM_DEBUG"):
             raise
         return [{**case, "arch": comp.arch, "error": f"{type(e).__name__}: {str(e)[:300]}"}]
-    hlo = compiled.as_text()
     formats = sorted({m.group(1) for m in _HLO_FP8.finditer(hlo)})
     rows = []
     for name, launch in launches.items():
