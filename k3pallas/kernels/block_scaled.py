@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -57,49 +58,36 @@ def block_parts(n_blocks: int, padded: bool = False) -> list[tuple[int, int]]:
 def pieces(rows, in_rows, n_blocks, block, per_byte, col0=0, padded=False):
     """The block pieces of ``rows`` rows (``in_rows``: their ``[R]`` mask): ``n_blocks`` blocks of
     ``block`` starting at column ``col0`` of the input, as power-of-two pieces of the block axis
-    (``block_parts``). Code and scale indices count from column 0 of the outputs."""
+    (``block_parts``). Elements load as ``[R, b, block]`` tiles whatever the format, so a thread
+    reads contiguous runs (128-bit loads); two per byte, the codes are ``[R, b, block / 2]``.
+    Code and scale indices count from column 0 of the outputs."""
     r = jnp.arange(rows, dtype=jnp.int32)
-    half = block // 2
     for b0, bs in block_parts(n_blocks, padded):
         b = b0 + jnp.arange(bs, dtype=jnp.int32)
         mask = in_rows[:, None]
         if b0 + bs > n_blocks:  # the padded last piece
             mask = mask & (b < n_blocks)[None, :]
-        if per_byte == 1:
-            col = b[None, :, None] * block + jnp.arange(block, dtype=jnp.int32)[None, None, :]
-            load, codes = (r[:, None, None], col), (r[:, None, None], col)
-            load_mask = codes_mask = mask[:, :, None]
-        else:
-            k = jnp.arange(half, dtype=jnp.int32)
-            col = (b[None, :, None, None] * block + 2 * k[None, None, :, None]
-                   + jnp.arange(2, dtype=jnp.int32)[None, None, None, :])
-            load, load_mask = (r[:, None, None, None], col), mask[:, :, None, None]
-            codes = (r[:, None, None], b[None, :, None] * half + k[None, None, :])
-            codes_mask = mask[:, :, None]
-        yield Piece(load=(load[0], load[1] + col0 if col0 else load[1]), mask=load_mask,
-                    codes=codes, codes_mask=codes_mask, scale=(r[:, None], b[None, :]),
+        col = b[None, :, None] * block + jnp.arange(block, dtype=jnp.int32)[None, None, :]
+        codes = col if per_byte == 1 else (b[None, :, None] * (block // per_byte)
+                                           + jnp.arange(block // per_byte, dtype=jnp.int32)[None, None, :])
+        yield Piece(load=(r[:, None, None], col + col0 if col0 else col), mask=mask[:, :, None],
+                    codes=(r[:, None, None], codes), codes_mask=mask[:, :, None], scale=(r[:, None], b[None, :]),
                     scale_mask=mask, blocks=(b0, bs))
 
 
-def weight_index(piece: Piece, block, per_byte, col0=0):
-    """Index of a ``[D]`` weight in the block layout of ``piece`` (``[b, block]`` /
-    ``[b, block / 2, 2]``)."""
+def weight_index(piece: Piece, block, col0=0):
+    """Index of a ``[D]`` weight in the block layout of ``piece`` (``[b, block]``)."""
     b0, bs = piece.blocks
     b = b0 + jnp.arange(bs, dtype=jnp.int32)
-    if per_byte == 1:
-        return b[:, None] * block + jnp.arange(block, dtype=jnp.int32)[None, :] + col0
-    k = jnp.arange(block // 2, dtype=jnp.int32)[None, :, None]
-    p = jnp.arange(2, dtype=jnp.int32)[None, None, :]
-    return b[:, None, None] * block + 2 * k + p + col0
+    return b[:, None] * block + jnp.arange(block, dtype=jnp.int32)[None, :] + col0
 
 
-def block_mask(piece: Piece, n_blocks, per_byte):
+def block_mask(piece: Piece, n_blocks):
     """The weight's mask for a padded last block piece (None otherwise)."""
     b0, bs = piece.blocks
     if b0 + bs <= n_blocks:
         return None
-    b = b0 + jnp.arange(bs, dtype=jnp.int32)
-    return (b < n_blocks)[:, None] if per_byte == 1 else (b < n_blocks)[:, None, None]
+    return ((b0 + jnp.arange(bs, dtype=jnp.int32)) < n_blocks)[:, None]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -108,24 +96,23 @@ def block_mask(piece: Piece, n_blocks, per_byte):
 
 
 def block_codes(y, q: common.Quant):
-    """float32 blocks ``y [..., block]`` (one element per byte) or ``[..., block / 2, 2]`` (two)
-    -> (code bytes ``[..., block]`` / ``[..., block / 2]``, stored scales ``[...]``)."""
+    """float32 blocks ``y [..., block]`` -> (code bytes ``[..., block / per_byte]``, stored
+    scales ``[...]``)."""
     fmt = q.fmt
-    trail = 1 if fmt.per_byte == 1 else 2
     a = jnp.abs(y)
-    amax, total = a, a
-    for _ in range(trail):
-        amax, total = jnp.max(amax, axis=-1), jnp.sum(total, axis=-1)
+    amax, total = jnp.max(a, axis=-1), jnp.sum(a, axis=-1)
     # NaN: the sum keeps it (Triton's max drops it); infinity: the max keeps it.
     nonfinite = (total != total) | (amax == jnp.inf)
     stored, inv = fmt.block_scale(amax, nonfinite)
-    per_element = (Ellipsis,) + (None,) * trail
-    v = fmt.scaled(y, stored[per_element], inv[per_element])
+    v = fmt.scaled(y, stored[..., None], inv[..., None])
     if q.native:
         return fp8_cast.native_codes(v, fmt.dtype), stored
     c = fp8_lib.encode_fp8(v, fmt.dtype)
     if fmt.per_byte == 2:  # element 2j in the low nibble, 2j + 1 in the high one
-        c = jnp.sum(c << (jnp.arange(2, dtype=jnp.int32) * 4), axis=-1)
+        # Shifted in the tile's own layout, then pairs summed: the pair axis stays in a thread.
+        lead, n = c.shape[:-1], c.shape[-1]
+        c = c << ((jnp.arange(n, dtype=jnp.int32) & 1) * 4)
+        c = jnp.sum(c.reshape(math.prod(lead), n // 2, 2), axis=-1).reshape(lead + (n // 2,))
     return c, stored
 
 
@@ -185,9 +172,8 @@ def normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, *, in_rows, rows
     ``res``: (residual ref, new residual ref): the residual is added first (``common.residual_add``:
     the sum, rounded to x's dtype, is stored and normalized). ``padded``: the block axis as one
     padded piece where ``block_parts`` allows it (the norms; the gated heads are powers of two)."""
-    block, per_byte = q.fmt.block, q.fmt.per_byte
+    block = q.fmt.block
     n_blocks = width // block
-    trail = 2 if per_byte == 1 else 3  # the block axes of a tile
 
     def load_x(p):
         x = common.load(x_ref, p.load, p.mask)
@@ -196,17 +182,14 @@ def normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, *, in_rows, rows
         return common.residual_add(x, common.load(res[0], p.load, p.mask), p.load, p.mask, res[1])
     loaded = [(p, load_x(p),
                None if g_ref is None else common.load(g_ref, p.load, p.mask),
-               common.load(w_ref, weight_index(p, block, per_byte),
-                           block_mask(p, n_blocks, per_byte)))
-              for p in pieces(rows, in_rows, n_blocks, block, per_byte, col0=col0, padded=padded)]
+               common.load(w_ref, weight_index(p, block), block_mask(p, n_blocks)))
+              for p in pieces(rows, in_rows, n_blocks, block, q.fmt.per_byte, col0=col0, padded=padded)]
     ss = None
     for _, x, _, _ in loaded:  # the row's mean square over all its block pieces
         x = x.astype(jnp.float32)
-        s = x * x
-        for _ in range(trail):
-            s = jnp.sum(s, axis=-1)
+        s = jnp.sum(jnp.sum(x * x, axis=-1), axis=-1)
         ss = s if ss is None else ss + s
-    inv = common.inv_rms(ss / width, eps, ftz)[(Ellipsis,) + (None,) * trail]
+    inv = common.inv_rms(ss / width, eps, ftz)[:, None, None]
     for p, x, g, w in loaded:
         y = x.astype(jnp.float32) * inv * w.astype(jnp.float32)[None]
         if g is not None:
