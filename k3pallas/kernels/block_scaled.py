@@ -1,16 +1,18 @@
 """Block-scaled outputs (a scale per block of ``fmt.block`` contiguous elements of a row: MXFP8,
-MXFP4, ``formats.Mx``; group-scaled FP8, ``formats.Fp8Group``): the tiles, the block epilogue and the block kernels, one launch each,
-``R`` rows per program.
+MXFP4, ``formats.Mx``; group-scaled FP8, ``formats.Fp8Group``): the tiles, the block epilogue
+and the block kernels, one launch each, ``R`` rows per program.
 
-A row's columns are read as blocks: ``[R, b, block]`` tiles, or ``[R, b, block / 2, 2]`` for
-two elements per byte (the pair axis: the two elements of a code byte), over power-of-two pieces
-of the block axis (1536 columns: 32 + 16 blocks of 32). Blocks are independent, so a kernel row
-is a head (gated) or at most 64 blocks of a token (quantize, sigmoid-mul): a wide token spreads
-over programs. Per block: ``amax``, the scale and its reciprocal from the format
-(``fmt.block_scale``), the values to round (``fmt.scaled``: exact), the codes (integer encoder, or the native cast where ``fp8_cast`` decided
-it), and for two per byte the two nibbles, element ``2j`` low. Codes and scales are stored as
-bytes; the results present them as the format's element and scale arrays (bitcasts). The
-normalized or gated values never go through memory. ``q``: a ``common.Quant`` of a block format.
+A row's columns are read as blocks, ``[R, b, block]`` tiles in every format (a thread reads
+contiguous runs), over power-of-two pieces of the block axis (1536 columns: 32 + 16 blocks of
+32). Blocks are independent, so a kernel row is a head (gated) or at most 64 blocks of a token
+(quantize, sigmoid-mul): a wide token spreads over programs. Per block: ``amax``, the scale and
+its reciprocal from the format (``fmt.block_scale``), the values to round (``fmt.scaled``:
+exact), the codes (integer encoder, or the native cast where ``fp8_cast`` decided it), and for
+two per byte the two nibbles, element ``2j`` low, paired after the encoder (a ``[R, b, block /
+2, 2]`` tile would give a thread one pair: 32-bit loads, docs/performance.md). Codes and scales
+are stored as bytes; the results present them as the format's element and scale arrays
+(bitcasts). The normalized or gated values never go through memory. ``q``: a ``common.Quant``
+of a block format.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ from k3pallas.kernels import common, fp8_cast, launch
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    load: tuple  # index of the elements, tile shape [R, b, block] or [R, b, block / 2, 2]
+    load: tuple  # index of the elements, tile shape [R, b, block]
     mask: object  # of the elements
-    codes: tuple  # index into the code bytes [R, width / per_byte]
+    codes: tuple  # index into the code bytes [R, width / per_byte], tile [R, b, block / per_byte]
     codes_mask: object
     scale: tuple  # index into the scales [R, width / block], shape [R, b]
     scale_mask: object
@@ -109,7 +111,9 @@ def block_codes(y, q: common.Quant):
         return fp8_cast.native_codes(v, fmt.dtype), stored
     c = fp8_lib.encode_fp8(v, fmt.dtype)
     if fmt.per_byte == 2:  # element 2j in the low nibble, 2j + 1 in the high one
-        # Shifted in the tile's own layout, then pairs summed: the pair axis stays in a thread.
+        # Shifted in the tile's layout, then pairs summed over one flattened leading axis: the
+        # pair stays in a thread (a [R, b, block / 2, 2] reshape took a layout change through
+        # shared memory, compiled for the H200).
         lead, n = c.shape[:-1], c.shape[-1]
         c = c << ((jnp.arange(n, dtype=jnp.int32) & 1) * 4)
         c = jnp.sum(c.reshape(math.prod(lead), n // 2, 2), axis=-1).reshape(lead + (n // 2,))
