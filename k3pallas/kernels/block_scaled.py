@@ -2,17 +2,18 @@
 MXFP4, ``formats.Mx``; group-scaled FP8, ``formats.Fp8Group``): the tiles, the block epilogue
 and the block kernels, one launch each, ``R`` rows per program.
 
-A row's columns are read as blocks, ``[R, b, block]`` tiles in every format (a thread reads
-contiguous runs), over power-of-two pieces of the block axis (1536 columns: 32 + 16 blocks of
-32). Blocks are independent, so a kernel row is a head (gated) or at most 64 blocks of a token
+A row's columns are read as blocks: ``[R, b, block]`` tiles, or in the norms (gated included)
+``[R, b, block / 2, 2]`` for two elements per byte (the pair axis: the two elements of a code
+byte), over power-of-two pieces of the block axis (1536 columns: 32 + 16 blocks of 32). The row
+kernels read two per byte as ``[R, b, block]`` too and pair the codes after the encoder: a pair
+tile gives a thread one pair (32-bit loads), a block tile contiguous runs (docs/performance.md).
+Blocks are independent, so a kernel row is a head (gated) or at most 64 blocks of a token
 (quantize, sigmoid-mul): a wide token spreads over programs. Per block: ``amax``, the scale and
 its reciprocal from the format (``fmt.block_scale``), the values to round (``fmt.scaled``:
 exact), the codes (integer encoder, or the native cast where ``fp8_cast`` decided it), and for
-two per byte the two nibbles, element ``2j`` low, paired after the encoder (a ``[R, b, block /
-2, 2]`` tile would give a thread one pair: 32-bit loads, docs/performance.md). Codes and scales
-are stored as bytes; the results present them as the format's element and scale arrays
-(bitcasts). The normalized or gated values never go through memory. ``q``: a ``common.Quant``
-of a block format.
+two per byte the two nibbles, element ``2j`` low. Codes and scales are stored as bytes; the
+results present them as the format's element and scale arrays (bitcasts). The normalized or
+gated values never go through memory. ``q``: a ``common.Quant`` of a block format.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ from k3pallas.kernels import common, fp8_cast, launch
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    load: tuple  # index of the elements, tile shape [R, b, block]
+    load: tuple  # index of the elements, tile shape [R, b, block] or [R, b, block / 2, 2]
     mask: object  # of the elements
-    codes: tuple  # index into the code bytes [R, width / per_byte], tile [R, b, block / per_byte]
+    codes: tuple  # index into the code bytes [R, width / per_byte]
     codes_mask: object
     scale: tuple  # index into the scales [R, width / block], shape [R, b]
     scale_mask: object
@@ -57,39 +58,57 @@ def block_parts(n_blocks: int, padded: bool = False) -> list[tuple[int, int]]:
     return common.pow2_parts(n_blocks, max_parts=1 if one else 3)
 
 
-def pieces(rows, in_rows, n_blocks, block, per_byte, col0=0, padded=False):
+def pieces(rows, in_rows, n_blocks, block, per_byte, col0=0, padded=False, pairs=True):
     """The block pieces of ``rows`` rows (``in_rows``: their ``[R]`` mask): ``n_blocks`` blocks of
     ``block`` starting at column ``col0`` of the input, as power-of-two pieces of the block axis
-    (``block_parts``). Elements load as ``[R, b, block]`` tiles whatever the format, so a thread
-    reads contiguous runs (128-bit loads); two per byte, the codes are ``[R, b, block / 2]``.
-    Code and scale indices count from column 0 of the outputs."""
+    (``block_parts``). Two per byte, ``pairs`` loads ``[R, b, block / 2, 2]`` tiles, else
+    ``[R, b, block]`` (the codes ``[R, b, block / 2]`` either way). Code and scale indices count
+    from column 0 of the outputs."""
     r = jnp.arange(rows, dtype=jnp.int32)
+    half = block // 2
     for b0, bs in block_parts(n_blocks, padded):
         b = b0 + jnp.arange(bs, dtype=jnp.int32)
         mask = in_rows[:, None]
         if b0 + bs > n_blocks:  # the padded last piece
             mask = mask & (b < n_blocks)[None, :]
-        col = b[None, :, None] * block + jnp.arange(block, dtype=jnp.int32)[None, None, :]
-        codes = col if per_byte == 1 else (b[None, :, None] * (block // per_byte)
-                                           + jnp.arange(block // per_byte, dtype=jnp.int32)[None, None, :])
-        yield Piece(load=(r[:, None, None], col + col0 if col0 else col), mask=mask[:, :, None],
-                    codes=(r[:, None, None], codes), codes_mask=mask[:, :, None], scale=(r[:, None], b[None, :]),
+        if per_byte == 1 or not pairs:
+            col = b[None, :, None] * block + jnp.arange(block, dtype=jnp.int32)[None, None, :]
+            load, load_mask = (r[:, None, None], col), mask[:, :, None]
+            codes, codes_mask = (r[:, None, None], col), mask[:, :, None]
+            if per_byte > 1:  # the block tile of two per byte
+                k = jnp.arange(half, dtype=jnp.int32)
+                codes = (r[:, None, None], b[None, :, None] * half + k[None, None, :])
+        else:
+            k = jnp.arange(half, dtype=jnp.int32)
+            col = (b[None, :, None, None] * block + 2 * k[None, None, :, None]
+                   + jnp.arange(2, dtype=jnp.int32)[None, None, None, :])
+            load, load_mask = (r[:, None, None, None], col), mask[:, :, None, None]
+            codes = (r[:, None, None], b[None, :, None] * half + k[None, None, :])
+            codes_mask = mask[:, :, None]
+        yield Piece(load=(load[0], load[1] + col0 if col0 else load[1]), mask=load_mask,
+                    codes=codes, codes_mask=codes_mask, scale=(r[:, None], b[None, :]),
                     scale_mask=mask, blocks=(b0, bs))
 
 
-def weight_index(piece: Piece, block, col0=0):
-    """Index of a ``[D]`` weight in the block layout of ``piece`` (``[b, block]``)."""
+def weight_index(piece: Piece, block, per_byte, col0=0):
+    """Index of a ``[D]`` weight in the block layout of ``piece`` (``[b, block]`` /
+    ``[b, block / 2, 2]``)."""
     b0, bs = piece.blocks
     b = b0 + jnp.arange(bs, dtype=jnp.int32)
-    return b[:, None] * block + jnp.arange(block, dtype=jnp.int32)[None, :] + col0
+    if per_byte == 1:
+        return b[:, None] * block + jnp.arange(block, dtype=jnp.int32)[None, :] + col0
+    k = jnp.arange(block // 2, dtype=jnp.int32)[None, :, None]
+    p = jnp.arange(2, dtype=jnp.int32)[None, None, :]
+    return b[:, None, None] * block + 2 * k + p + col0
 
 
-def block_mask(piece: Piece, n_blocks):
+def block_mask(piece: Piece, n_blocks, per_byte):
     """The weight's mask for a padded last block piece (None otherwise)."""
     b0, bs = piece.blocks
     if b0 + bs <= n_blocks:
         return None
-    return ((b0 + jnp.arange(bs, dtype=jnp.int32)) < n_blocks)[:, None]
+    b = b0 + jnp.arange(bs, dtype=jnp.int32)
+    return (b < n_blocks)[:, None] if per_byte == 1 else (b < n_blocks)[:, None, None]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -98,22 +117,27 @@ def block_mask(piece: Piece, n_blocks):
 
 
 def block_codes(y, q: common.Quant):
-    """float32 blocks ``y [..., block]`` -> (code bytes ``[..., block / per_byte]``, stored
-    scales ``[...]``)."""
+    """float32 blocks ``y [..., block]`` or, two per byte, ``[..., block / 2, 2]`` -> (code bytes
+    ``[..., block / per_byte]``, stored scales ``[...]``)."""
     fmt = q.fmt
+    trail = 2 if fmt.per_byte == 2 and y.shape[-1] == 2 else 1  # the pair axis
     a = jnp.abs(y)
-    amax, total = jnp.max(a, axis=-1), jnp.sum(a, axis=-1)
+    amax, total = a, a
+    for _ in range(trail):
+        amax, total = jnp.max(amax, axis=-1), jnp.sum(total, axis=-1)
     # NaN: the sum keeps it (Triton's max drops it); infinity: the max keeps it.
     nonfinite = (total != total) | (amax == jnp.inf)
     stored, inv = fmt.block_scale(amax, nonfinite)
-    v = fmt.scaled(y, stored[..., None], inv[..., None])
+    per_element = (Ellipsis,) + (None,) * trail
+    v = fmt.scaled(y, stored[per_element], inv[per_element])
     if q.native:
         return fp8_cast.native_codes(v, fmt.dtype), stored
     c = fp8_lib.encode_fp8(v, fmt.dtype)
-    if fmt.per_byte == 2:  # element 2j in the low nibble, 2j + 1 in the high one
-        # Shifted in the tile's layout, then pairs summed over one flattened leading axis: the
-        # pair stays in a thread (a [R, b, block / 2, 2] reshape took a layout change through
-        # shared memory, compiled for the H200).
+    if fmt.per_byte == 2 and trail == 2:  # element 2j in the low nibble, 2j + 1 in the high one
+        c = jnp.sum(c << (jnp.arange(2, dtype=jnp.int32) * 4), axis=-1)
+    elif fmt.per_byte == 2:  # the same from a block tile: shifted in the tile's layout, then
+        # pairs summed over ONE leading axis, so the pair stays in a thread (a 4-D reshape took
+        # a layout change through shared memory, compiled for the H200)
         lead, n = c.shape[:-1], c.shape[-1]
         c = c << ((jnp.arange(n, dtype=jnp.int32) & 1) * 4)
         c = jnp.sum(c.reshape(math.prod(lead), n // 2, 2), axis=-1).reshape(lead + (n // 2,))
@@ -163,7 +187,7 @@ def _rows_kernel(*refs, n_rows, rows, width, n_inputs, q, combine):
     x_refs, (codes_ref, scale_ref) = refs[:n_inputs], refs[n_inputs:]
     loaded = [(p, [common.load(ref, p.load, p.mask) for ref in x_refs])
               for p in pieces(rows, common.row_mask(n_rows, rows, 1), width // q.fmt.block,
-                              q.fmt.block, q.fmt.per_byte)]
+                              q.fmt.block, q.fmt.per_byte, pairs=False)]
     for p, xs in loaded:
         store_blocks(p, combine(*[x.astype(jnp.float32) for x in xs]), codes_ref, scale_ref, q)
 
@@ -176,8 +200,9 @@ def normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, *, in_rows, rows
     ``res``: (residual ref, new residual ref): the residual is added first (``common.residual_add``:
     the sum, rounded to x's dtype, is stored and normalized). ``padded``: the block axis as one
     padded piece where ``block_parts`` allows it (the norms; the gated heads are powers of two)."""
-    block = q.fmt.block
+    block, per_byte = q.fmt.block, q.fmt.per_byte
     n_blocks = width // block
+    trail = 2 if per_byte == 1 else 3  # the block axes of a tile
 
     def load_x(p):
         x = common.load(x_ref, p.load, p.mask)
@@ -186,14 +211,17 @@ def normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, *, in_rows, rows
         return common.residual_add(x, common.load(res[0], p.load, p.mask), p.load, p.mask, res[1])
     loaded = [(p, load_x(p),
                None if g_ref is None else common.load(g_ref, p.load, p.mask),
-               common.load(w_ref, weight_index(p, block), block_mask(p, n_blocks)))
-              for p in pieces(rows, in_rows, n_blocks, block, q.fmt.per_byte, col0=col0, padded=padded)]
+               common.load(w_ref, weight_index(p, block, per_byte),
+                           block_mask(p, n_blocks, per_byte)))
+              for p in pieces(rows, in_rows, n_blocks, block, per_byte, col0=col0, padded=padded)]
     ss = None
     for _, x, _, _ in loaded:  # the row's mean square over all its block pieces
         x = x.astype(jnp.float32)
-        s = jnp.sum(jnp.sum(x * x, axis=-1), axis=-1)
+        s = x * x
+        for _ in range(trail):
+            s = jnp.sum(s, axis=-1)
         ss = s if ss is None else ss + s
-    inv = common.inv_rms(ss / width, eps, ftz)[:, None, None]
+    inv = common.inv_rms(ss / width, eps, ftz)[(Ellipsis,) + (None,) * trail]
     for p, x, g, w in loaded:
         y = x.astype(jnp.float32) * inv * w.astype(jnp.float32)[None]
         if g is not None:
