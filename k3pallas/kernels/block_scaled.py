@@ -2,9 +2,9 @@
 MXFP4, ``formats.Mx``; group-scaled FP8, ``formats.Fp8Group``): the tiles, the block epilogue
 and the block kernels, one launch each, ``R`` rows per program.
 
-A row's columns are read as blocks: ``[R, b, block]`` tiles, or in the norms (gated included)
-``[R, b, block / 2, 2]`` for two elements per byte (the pair axis: the two elements of a code
-byte), over power-of-two pieces of the block axis (1536 columns: 32 + 16 blocks of 32). The row
+A row's columns are read as blocks: ``[R, b, block]`` tiles, or in the norms ``[R, b, block /
+2, 2]`` for two elements per byte (the pair axis: the two elements of a code byte), over
+power-of-two pieces of the block axis (1536 columns: 32 + 16 blocks of 32). The gated and row
 kernels read two per byte as ``[R, b, block]`` too and pair the codes after the encoder: a pair
 tile gives a thread one pair (32-bit loads), a block tile contiguous runs (docs/performance.md).
 Blocks are independent, so a kernel row is a head (gated) or at most 64 blocks of a token
@@ -43,6 +43,7 @@ class Piece:
     scale: tuple  # index into the scales [R, width / block], shape [R, b]
     scale_mask: object
     blocks: tuple  # (first block, blocks) of this piece, for weights in block layout
+    pairs: bool  # the tile is [R, b, block / 2, 2]
 
 
 def block_parts(n_blocks: int, padded: bool = False) -> list[tuple[int, int]]:
@@ -71,7 +72,8 @@ def pieces(rows, in_rows, n_blocks, block, per_byte, col0=0, padded=False, pairs
         mask = in_rows[:, None]
         if b0 + bs > n_blocks:  # the padded last piece
             mask = mask & (b < n_blocks)[None, :]
-        if per_byte == 1 or not pairs:
+        paired = per_byte == 2 and pairs
+        if not paired:
             col = b[None, :, None] * block + jnp.arange(block, dtype=jnp.int32)[None, None, :]
             load, load_mask = (r[:, None, None], col), mask[:, :, None]
             codes, codes_mask = (r[:, None, None], col), mask[:, :, None]
@@ -87,28 +89,28 @@ def pieces(rows, in_rows, n_blocks, block, per_byte, col0=0, padded=False, pairs
             codes_mask = mask[:, :, None]
         yield Piece(load=(load[0], load[1] + col0 if col0 else load[1]), mask=load_mask,
                     codes=codes, codes_mask=codes_mask, scale=(r[:, None], b[None, :]),
-                    scale_mask=mask, blocks=(b0, bs))
+                    scale_mask=mask, blocks=(b0, bs), pairs=paired)
 
 
-def weight_index(piece: Piece, block, per_byte, col0=0):
+def weight_index(piece: Piece, block, col0=0):
     """Index of a ``[D]`` weight in the block layout of ``piece`` (``[b, block]`` /
     ``[b, block / 2, 2]``)."""
     b0, bs = piece.blocks
     b = b0 + jnp.arange(bs, dtype=jnp.int32)
-    if per_byte == 1:
+    if not piece.pairs:
         return b[:, None] * block + jnp.arange(block, dtype=jnp.int32)[None, :] + col0
     k = jnp.arange(block // 2, dtype=jnp.int32)[None, :, None]
     p = jnp.arange(2, dtype=jnp.int32)[None, None, :]
     return b[:, None, None] * block + 2 * k + p + col0
 
 
-def block_mask(piece: Piece, n_blocks, per_byte):
+def block_mask(piece: Piece, n_blocks):
     """The weight's mask for a padded last block piece (None otherwise)."""
     b0, bs = piece.blocks
     if b0 + bs <= n_blocks:
         return None
     b = b0 + jnp.arange(bs, dtype=jnp.int32)
-    return (b < n_blocks)[:, None] if per_byte == 1 else (b < n_blocks)[:, None, None]
+    return (b < n_blocks)[:, None, None] if piece.pairs else (b < n_blocks)[:, None]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,16 +195,19 @@ def _rows_kernel(*refs, n_rows, rows, width, n_inputs, q, combine):
 
 
 def normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, *, in_rows, rows, col0, width,
-                            eps, q, ftz, g_ref=None, activation="sigmoid", res=None, padded=False):
+                            eps, q, ftz, g_ref=None, activation="sigmoid", res=None, padded=False,
+                            pairs=True):
     """Columns ``col0 .. col0 + width`` of ``x_ref``'s rows (``in_rows``: ``[R]``) normalized with
     ``w_ref``, times ``act(g)`` of ``g_ref``'s same columns where one is given (the gated norm),
     and quantized by blocks: the gated block kernel and the first segment of ``kernels.norms``.
     ``res``: (residual ref, new residual ref): the residual is added first (``common.residual_add``:
     the sum, rounded to x's dtype, is stored and normalized). ``padded``: the block axis as one
-    padded piece where ``block_parts`` allows it (the norms; the gated heads are powers of two)."""
+    padded piece where ``block_parts`` allows it (the norms; the gated heads are powers of two).
+    ``pairs``: two per byte, pair tiles (the norms: block tiles made ``add_rmsnorm`` at 7168
+    slower) or block tiles (the gated kernel, 5-19 % faster; docs/performance.md)."""
     block, per_byte = q.fmt.block, q.fmt.per_byte
     n_blocks = width // block
-    trail = 2 if per_byte == 1 else 3  # the block axes of a tile
+    trail = 3 if per_byte == 2 and pairs else 2  # the block axes of a tile
 
     def load_x(p):
         x = common.load(x_ref, p.load, p.mask)
@@ -211,9 +216,9 @@ def normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, *, in_rows, rows
         return common.residual_add(x, common.load(res[0], p.load, p.mask), p.load, p.mask, res[1])
     loaded = [(p, load_x(p),
                None if g_ref is None else common.load(g_ref, p.load, p.mask),
-               common.load(w_ref, weight_index(p, block, per_byte),
-                           block_mask(p, n_blocks, per_byte)))
-              for p in pieces(rows, in_rows, n_blocks, block, per_byte, col0=col0, padded=padded)]
+               common.load(w_ref, weight_index(p, block), block_mask(p, n_blocks)))
+              for p in pieces(rows, in_rows, n_blocks, block, per_byte, col0=col0, padded=padded,
+                              pairs=pairs)]
     ss = None
     for _, x, _, _ in loaded:  # the row's mean square over all its block pieces
         x = x.astype(jnp.float32)
@@ -234,7 +239,7 @@ def _gated_kernel(x_ref, g_ref, w_ref, codes_ref, scale_ref, *, n_rows, rows, wi
     """``rmsnorm(x) * w * act(g)`` of one head per row, then the block epilogue."""
     normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, g_ref=g_ref,
                             activation=activation, in_rows=common.row_mask(n_rows, rows, 1),
-                            rows=rows, col0=0, width=width, eps=eps, q=q, ftz=ftz)
+                            rows=rows, col0=0, width=width, eps=eps, q=q, ftz=ftz, pairs=False)
 
 
 def row_elems(width: int, n_inputs: int, block: int) -> tuple[int, int]:
