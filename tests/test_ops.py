@@ -206,6 +206,26 @@ def test_one_padded_block_piece(rng, fmt, width):
     check("add_rmsnorm", arrays, out, f.resolve(kp.current_target()), f"padded piece {fmt}")
 
 
+def test_mxfp4_tiles_pack_alike(rng):
+    """The block epilogue's two MXFP4 tiles (``block_scaled.pieces``): pair tiles ``[R, b, 16,
+    2]`` (the norms) and block tiles ``[R, b, 32]`` paired after the encoder (the gated and row
+    kernels) give the same code bytes and scales, and the bytes hold element 2j low."""
+    from k3pallas.kernels import block_scaled, common
+    y = rng.standard_normal((4, 3, 32)).astype(np.float32) * np.float32(2.0) ** rng.integers(
+        -20, 20, (4, 3, 1))
+    y[0, 1] = 0.0
+    y[2, 0, 5] = np.nan
+    q = common.Quant(kp.MXFP4, native=False)
+    codes, scale = block_scaled.block_codes(jnp.asarray(y), q)
+    pair_codes, pair_scale = block_scaled.block_codes(jnp.asarray(y).reshape(4, 3, 16, 2), q)
+    np.testing.assert_array_equal(np.asarray(codes), np.asarray(pair_codes))
+    np.testing.assert_array_equal(np.asarray(scale), np.asarray(pair_scale))
+    ref = kp.MXFP4.quantize(jnp.asarray(y.reshape(4, 96)))
+    nibbles = np.asarray(ref[0]).view(np.uint8).reshape(4, 3, 16, 2) & 0xF  # NaN blocks: 0x8
+    np.testing.assert_array_equal(np.asarray(codes), nibbles[..., 0] | nibbles[..., 1] << 4)
+    np.testing.assert_array_equal(np.asarray(scale), np.asarray(ref[1]).view(np.uint8).reshape(4, 3))
+
+
 @pytest.mark.parametrize("fmt", [None, "e4m3fnuz", "mxfp4"])
 def test_silu(rng, fmt):
     """The gated norm's other activation (the body above runs sigmoid)."""
