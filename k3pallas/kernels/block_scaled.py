@@ -59,37 +59,31 @@ def block_parts(n_blocks: int, padded: bool = False) -> list[tuple[int, int]]:
     return common.pow2_parts(n_blocks, max_parts=1 if one else 3)
 
 
-def pieces(rows, in_rows, n_blocks, block, per_byte, col0=0, padded=False, pairs=True):
+def pieces(rows, in_rows, n_blocks, block, per_byte, col0=0, padded=False, pairs=False):
     """The block pieces of ``rows`` rows (``in_rows``: their ``[R]`` mask): ``n_blocks`` blocks of
     ``block`` starting at column ``col0`` of the input, as power-of-two pieces of the block axis
     (``block_parts``). Two per byte, ``pairs`` loads ``[R, b, block / 2, 2]`` tiles, else
     ``[R, b, block]`` (the codes ``[R, b, block / 2]`` either way). Code and scale indices count
     from column 0 of the outputs."""
     r = jnp.arange(rows, dtype=jnp.int32)
-    half = block // 2
     for b0, bs in block_parts(n_blocks, padded):
         b = b0 + jnp.arange(bs, dtype=jnp.int32)
         mask = in_rows[:, None]
         if b0 + bs > n_blocks:  # the padded last piece
             mask = mask & (b < n_blocks)[None, :]
         paired = per_byte == 2 and pairs
-        if not paired:
-            col = b[None, :, None] * block + jnp.arange(block, dtype=jnp.int32)[None, None, :]
-            load, load_mask = (r[:, None, None], col), mask[:, :, None]
-            codes, codes_mask = (r[:, None, None], col), mask[:, :, None]
-            if per_byte > 1:  # the block tile of two per byte
-                k = jnp.arange(half, dtype=jnp.int32)
-                codes = (r[:, None, None], b[None, :, None] * half + k[None, None, :])
-        else:
-            k = jnp.arange(half, dtype=jnp.int32)
+        k = jnp.arange(block // per_byte, dtype=jnp.int32)  # a block's code bytes
+        if paired:
             col = (b[None, :, None, None] * block + 2 * k[None, None, :, None]
                    + jnp.arange(2, dtype=jnp.int32)[None, None, None, :])
             load, load_mask = (r[:, None, None, None], col), mask[:, :, None, None]
-            codes = (r[:, None, None], b[None, :, None] * half + k[None, None, :])
-            codes_mask = mask[:, :, None]
+        else:
+            col = b[None, :, None] * block + jnp.arange(block, dtype=jnp.int32)[None, None, :]
+            load, load_mask = (r[:, None, None], col), mask[:, :, None]
+        codes = col if per_byte == 1 else b[None, :, None] * (block // per_byte) + k[None, None, :]
         yield Piece(load=(load[0], load[1] + col0 if col0 else load[1]), mask=load_mask,
-                    codes=codes, codes_mask=codes_mask, scale=(r[:, None], b[None, :]),
-                    scale_mask=mask, blocks=(b0, bs), pairs=paired)
+                    codes=(r[:, None, None], codes), codes_mask=mask[:, :, None],
+                    scale=(r[:, None], b[None, :]), scale_mask=mask, blocks=(b0, bs), pairs=paired)
 
 
 def weight_index(piece: Piece, block, col0=0):
@@ -189,22 +183,22 @@ def _rows_kernel(*refs, n_rows, rows, width, n_inputs, q, combine):
     x_refs, (codes_ref, scale_ref) = refs[:n_inputs], refs[n_inputs:]
     loaded = [(p, [common.load(ref, p.load, p.mask) for ref in x_refs])
               for p in pieces(rows, common.row_mask(n_rows, rows, 1), width // q.fmt.block,
-                              q.fmt.block, q.fmt.per_byte, pairs=False)]
+                              q.fmt.block, q.fmt.per_byte)]
     for p, xs in loaded:
         store_blocks(p, combine(*[x.astype(jnp.float32) for x in xs]), codes_ref, scale_ref, q)
 
 
 def normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, *, in_rows, rows, col0, width,
                             eps, q, ftz, g_ref=None, activation="sigmoid", res=None, padded=False,
-                            pairs=True):
+                            pairs=False):
     """Columns ``col0 .. col0 + width`` of ``x_ref``'s rows (``in_rows``: ``[R]``) normalized with
     ``w_ref``, times ``act(g)`` of ``g_ref``'s same columns where one is given (the gated norm),
     and quantized by blocks: the gated block kernel and the first segment of ``kernels.norms``.
     ``res``: (residual ref, new residual ref): the residual is added first (``common.residual_add``:
     the sum, rounded to x's dtype, is stored and normalized). ``padded``: the block axis as one
     padded piece where ``block_parts`` allows it (the norms; the gated heads are powers of two).
-    ``pairs``: two per byte, pair tiles (the norms: block tiles made ``add_rmsnorm`` at 7168
-    slower) or block tiles (the gated kernel, 5-19 % faster; docs/performance.md)."""
+    ``pairs``: two per byte, pair tiles (the norms: block tiles, 5-19 % faster in the gated
+    kernel, made ``add_rmsnorm`` at 7168 slower; docs/performance.md)."""
     block, per_byte = q.fmt.block, q.fmt.per_byte
     n_blocks = width // block
     trail = 3 if per_byte == 2 and pairs else 2  # the block axes of a tile
@@ -239,7 +233,7 @@ def _gated_kernel(x_ref, g_ref, w_ref, codes_ref, scale_ref, *, n_rows, rows, wi
     """``rmsnorm(x) * w * act(g)`` of one head per row, then the block epilogue."""
     normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, g_ref=g_ref,
                             activation=activation, in_rows=common.row_mask(n_rows, rows, 1),
-                            rows=rows, col0=0, width=width, eps=eps, q=q, ftz=ftz, pairs=False)
+                            rows=rows, col0=0, width=width, eps=eps, q=q, ftz=ftz)
 
 
 def row_elems(width: int, n_inputs: int, block: int) -> tuple[int, int]:

@@ -98,7 +98,7 @@ def _segments(ids, x_refs, seg_w, seg_o, *, n_rows, rows, segments, quant, ftz, 
         block_scaled.normalized_blocks_store(
             x_refs[seg.source], seg_w[0], *seg_o[0], in_rows=common.row_mask(n_rows, rows, 1, pid),
             rows=rows, col0=seg.start, width=seg.width, eps=seg.eps, q=quant, ftz=ftz, res=res,
-            padded=True)
+            padded=True, pairs=True)  # MXFP4 pair tiles: block tiles slowed add_rmsnorm
     for i, index, mask, x, w in tiles:
         seg = segments[i]
         if i == 0 and quant is not None:  # the first segment per token: codes and a scale per row
