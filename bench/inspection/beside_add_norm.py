@@ -5,9 +5,10 @@ in ONE process with ONE clock: Liger's ``fused_add_rms_norm_forward`` and flash-
 code and the copy ceiling (read two tensors, write two).
 
 Every variant writes the normalized ``y`` and the new residual ``x + r``; k3pallas and XLA in
-place (donated, ``bench.ops.ResidualStream``), the peers into new tensors, and the k3pallas
-kernel once more into new buffers (``fresh``: ``bench.ops.fresh_outputs``), which tells what
-writing over the inputs costs. Each peer is checked
+place (donated, ``bench.ops.ResidualStream``), the peers into new tensors, and each way once
+more: the k3pallas kernel into new buffers (``fresh``: ``bench.ops.fresh_outputs``) and Liger's
+kernel over its inputs (``liger_in_place``), which tells what writing over the inputs costs
+either of them. Each peer is checked
 against a float64 NumPy oracle first (bf16 output: 2**-7 relative; the residual exact). Device
 time from ``jax.profiler`` events (``bench.timing``; CUPTI records the torch kernels too), per
 call over ``--calls`` calls cycling through input sets (3x the L2 where a set is small). The
@@ -47,6 +48,7 @@ def _peers():
         peers["liger"] = (liger, "fused_add_rms_norm")
     except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
         print(f"liger: {type(e).__name__}: {e}", file=sys.stderr)
+        liger = None
     try:
         from fla.modules.norm.layernorm import layer_norm_fwd
 
@@ -56,14 +58,35 @@ def _peers():
         peers["fla"] = (fla, "layer_norm_fwd")
     except Exception as e:  # noqa: BLE001
         print(f"fla: {type(e).__name__}: {e}", file=sys.stderr)
+    if liger is not None:
+        peers["liger_in_place"] = (_liger_in_place(), "fused_add_rms_norm")
     return peers
+
+
+def _liger_in_place():
+    """Liger's forward kernel launched over its inputs (y into x, the new residual into r), as
+    vLLM's ``fused_add_rms_norm`` and k3pallas run: the in-place peer, like for like. Safe: each
+    program reads its row whole before it writes it. Last of the peers (it rewrites the sets)."""
+    import torch
+    from liger_kernel.ops import fused_add_rms_norm as m
+
+    def run(x, r, w):
+        n_rows, n_cols = x.shape
+        block, warps = m.calculate_settings(n_cols)  # as fused_add_rms_norm_forward launches it
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        m._fused_add_rms_norm_forward_kernel[(n_rows,)](
+            x, x.stride(0), r, r.stride(0), x, x.stride(0), r, r.stride(0), w, w.stride(0),
+            rstd, rstd.stride(0), n_cols, EPS, 0.0, m._str_to_casting_mode["llama"],
+            BLOCK_SIZE=block, num_warps=warps, num_stages=2)
+        return x, r
+    return run
 
 
 def _check(run, x, r, w):
     """A peer against the float64 oracle: the residual the rounded sum, y within bf16."""
     import torch
 
-    y, s = run(x, r, w)
+    y, s = run(x.clone(), r.clone(), w)  # an in-place peer writes over its inputs
     torch.cuda.synchronize()
     s64 = (x.double() + r.double()).bfloat16().double().cpu().numpy()
     np.testing.assert_array_equal(s.double().cpu().numpy(), s64)
@@ -164,7 +187,8 @@ def report(rows, peer_names, calls, env) -> str:
              f"Device time per call, us, median of {calls} calls (`(n)`: kernels per call), "
              "jax.profiler clock for all, one process (`python -m bench.inspection."
              f"beside_add_norm`, jax {env['jax']}, torch {env['torch']}); bf16; k3pallas and xla "
-             "in place (donated), the peers into new tensors; `fresh`: the k3pallas kernel with its "
+             "in place (donated), the peers into new tensors (`liger_in_place`: Liger's kernel launched "
+             "over its inputs, in place as k3pallas); `fresh`: the k3pallas kernel with its "
              "aliases removed, into new buffers as the peers (`bench.ops.fresh_outputs`); "
              "`copy`: the copy of the same bytes "
              "(read x and r, write y and the residual); `% copy`: copy / k3pallas.", "",
