@@ -48,7 +48,6 @@ def _peers():
         peers["liger"] = (liger, "fused_add_rms_norm")
     except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
         print(f"liger: {type(e).__name__}: {e}", file=sys.stderr)
-        liger = None
     try:
         from fla.modules.norm.layernorm import layer_norm_fwd
 
@@ -58,7 +57,7 @@ def _peers():
         peers["fla"] = (fla, "layer_norm_fwd")
     except Exception as e:  # noqa: BLE001
         print(f"fla: {type(e).__name__}: {e}", file=sys.stderr)
-    if liger is not None:
+    if "liger" in peers:  # last: it rewrites the input sets
         peers["liger_in_place"] = (_liger_in_place(), "fused_add_rms_norm")
     return peers
 
