@@ -24,7 +24,7 @@ from k3pallas.models import kimi_k3
 
 from support import (ORACLE_TOL, REFERENCE_TOL, assert_close, check_quantized, codes_bytes,
                      encode_in_pallas, encoder_inputs, expected_codes, f64, gated64, rmsnorm64,
-                     sigmoid64)
+                     sigmoid64, ue8m0_flips)
 
 pytestmark = pytest.mark.gpu
 FNUZ = "float8_e4m3fnuz"
@@ -119,9 +119,21 @@ def test_gated_norm(rng, t, hd, fmt):
     check_quantized(_sampled(out, rows), y64, f"gated {fmt}")
     if fmt != "mxfp4":  # every row against the reference: scales, codes at most a step apart
         ref = jax.jit(lambda *a: kp.rmsnorm_gated(*a, out_format=out_format, impl="reference"))(x, w, g)
-        assert np.abs(f64(out.scale) / f64(ref.scale) - 1).max() <= 1e-6
-        diff = np.abs(f64(out.data) - f64(ref.data))
-        assert (diff <= (np.abs(f64(ref.data)) / 8 + 2.0**-9) * 1.01).all()
+        s, r = f64(out.scale), f64(ref.scale)
+        if getattr(out.format, "ue8m0", False):
+            flip = ue8m0_flips(out, ref)  # a group's amax at a power-of-two edge
+            assert flip.mean() <= 1e-4, f"{int(flip.sum())} UE8M0 scales flipped"
+            s = np.where(flip, r, s)
+        assert np.abs(s / r - 1).max() <= 1e-6
+        # dequantized values at most a code step apart (codes so, where the scales are equal);
+        # float32 products of a code and a scale are exact to 2**-24, far inside the 1 % slack
+        @jax.jit
+        def near(a, b):
+            deq = lambda q: q.data.astype(jnp.float32).reshape(q.scale.shape + (-1,)) * q.scale[..., None]
+            d, e = deq(a), deq(b)
+            step = jnp.maximum(a.scale, b.scale)[..., None] * 2.0**-9
+            return jnp.all(jnp.abs(d - e) <= (jnp.abs(e) / 8 + step) * 1.01)
+        assert bool(near(out, ref))
     if fmt == "e4m3fn" and t == 4096:
         y = jax.jit(lambda *a: kp.rmsnorm_gated(*a, impl="pallas"))(x, w, g)
         assert_close(y, kp.rmsnorm_gated(x, w, g, impl="reference"), REFERENCE_TOL["bfloat16"])
@@ -210,8 +222,9 @@ def test_unquantized_rmsnorm_and_sigmoid_mul(rng):
 def test_rmsnorm_2pow21_rows_of_2048():
     """8 GiB in, 8 GiB out: offsets past 2**32 bytes must not wrap (the lowering picks 64-bit)."""
     t, width = 2**21, 2048
-    x = jax.random.normal(jax.random.PRNGKey(1), (t, width), jnp.float32).astype(jnp.bfloat16)
-    x = x * jnp.arange(1, t + 1, dtype=jnp.float32)[:, None].astype(jnp.bfloat16)  # row-dependent
+    x = jax.jit(lambda k: (jax.random.normal(k, (t, width), jnp.float32)  # one 8 GiB buffer
+                           * jnp.arange(1, t + 1, dtype=jnp.float32)[:, None]).astype(jnp.bfloat16)
+                )(jax.random.PRNGKey(1))  # row-dependent
     w = jnp.ones((width,), jnp.float32)
     y = jax.jit(lambda a, b: kp.rmsnorm(a, b, impl="pallas"))(x, w)
     rows = np.array([0, 1, 2**20 - 1, 2**20, 2**20 + 1, t - 2, t - 1])
