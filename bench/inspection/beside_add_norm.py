@@ -8,7 +8,8 @@ Every variant writes the normalized ``y`` and the new residual ``x + r``; k3pall
 place (donated, ``bench.ops.ResidualStream``), the peers into new tensors, and each way once
 more: the k3pallas kernel into new buffers (``fresh``: ``bench.ops.fresh_outputs``) and Liger's
 kernel over its inputs (``liger_in_place``), which tells what writing over the inputs costs
-either of them. Each peer is checked
+either of them; both k3pallas variants are timed again after the peers (``again``,
+``fresh_again``: whether the order of the timings matters). Each peer is checked
 against a float64 NumPy oracle first (bf16 output: 2**-7 relative; the residual exact). Device
 time from ``jax.profiler`` events (``bench.timing``; CUPTI records the torch kernels too), per
 call over ``--calls`` calls cycling through input sets (3x the L2 where a set is small). The
@@ -167,6 +168,9 @@ def main(argv=None):
                     row[name] = _spread(_torch_us(run, frag, tsets, tw, args.calls))
                 except Exception as e:  # noqa: BLE001 - reported in the table
                     row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            for name, fn in (("again", ours), ("fresh_again", fresh)):  # the order's control
+                us, k = _jax_us(fn, jsets, args.calls)
+                row[name] = dict(_spread(us), kernels=k)
             rows.append(row)
             print(row, file=sys.stderr, flush=True)
             # Rewritten after every row: a run stopped at a time limit keeps what it measured.
@@ -176,7 +180,8 @@ def main(argv=None):
 
 def report(rows, peer_names, calls, env) -> str:
     fresh = ["fresh"] if rows and "fresh" in rows[0] else []
-    cols = ["k3pallas", *fresh, "xla", *peer_names, "copy"]
+    again = ["again", "fresh_again"] if rows and "again" in rows[0] else []
+    cols = ["k3pallas", *fresh, "xla", *peer_names, *again, "copy"]
 
     def cell(v):
         if "error" in v:
@@ -189,6 +194,7 @@ def report(rows, peer_names, calls, env) -> str:
              "in place (donated), the peers into new tensors (`liger_in_place`: Liger's kernel launched "
              "over its inputs, in place as k3pallas); `fresh`: the k3pallas kernel with its "
              "aliases removed, into new buffers as the peers (`bench.ops.fresh_outputs`); "
+             "`again`, `fresh_again`: both timed once more after the peers (the order's control); "
              "`copy`: the copy of the same bytes "
              "(read x and r, write y and the residual); `% copy`: copy / k3pallas.", "",
              "| hidden | T | " + " | ".join(cols) + " | % copy |",
