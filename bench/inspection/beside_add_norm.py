@@ -9,7 +9,9 @@ place (donated, ``bench.ops.ResidualStream``), the peers into new tensors, and e
 more: the k3pallas kernel into new buffers (``fresh``: ``bench.ops.fresh_outputs``) and Liger's
 kernel over its inputs (``liger_in_place``), which tells what writing over the inputs costs
 either of them; both k3pallas variants are timed again after the peers (``again``,
-``fresh_again``: whether the order of the timings matters). Each peer is checked
+``fresh_again``: whether the order of the timings matters); and the copy ceiling both ways,
+XLA's from jax (``copy``) and a Triton row copy launched from torch (``row_copy``: what the
+peers' launch path, allocator and compiler give without the arithmetic). Each peer is checked
 against a float64 NumPy oracle first (bf16 output: 2**-7 relative; the residual exact). Device
 time from ``jax.profiler`` events (``bench.timing``; CUPTI records the torch kernels too), per
 call over ``--calls`` calls cycling through input sets (3x the L2 where a set is small). The
@@ -79,6 +81,33 @@ def _liger_in_place():
             rstd, rstd.stride(0), n_cols, EPS, 0.0, m._str_to_casting_mode["llama"],
             BLOCK_SIZE=block, num_warps=warps, num_stages=2)
         return x, r
+    return run
+
+
+def _row_copy():
+    """The copy ceiling on the peers' side: a Triton kernel (pip triton) launched from torch that
+    reads x and r and writes them into new tensors, one program per row over the row's padded
+    power of two of lanes on Liger's warps, as Liger's norm runs without its arithmetic. Beside
+    ``copy`` (XLA's, from jax) it tells what the launch path, allocator and compiler give."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def row_copy2(x_ptr, r_ptr, y_ptr, s_ptr, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64) * n_cols
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        tl.store(y_ptr + row + cols, tl.load(x_ptr + row + cols, mask=mask), mask=mask)
+        tl.store(s_ptr + row + cols, tl.load(r_ptr + row + cols, mask=mask), mask=mask)
+
+    def run(x, r, w):
+        n_rows, n_cols = x.shape
+        block = triton.next_power_of_2(n_cols)
+        warps = 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
+        y, s = torch.empty_like(x), torch.empty_like(r)
+        row_copy2[(n_rows,)](x, r, y, s, n_cols, BLOCK=block, num_warps=warps)
+        return y, s
     return run
 
 
@@ -162,6 +191,14 @@ def main(argv=None):
             best = min((_spread(_jax_us(fn, copy_sets, args.calls)[0]) for fn in copies.values()),
                        key=lambda v: v["median"])
             row["copy"] = best
+            try:  # the same bytes copied from torch (one process, one clock)
+                run_copy = _row_copy()
+                y, s = run_copy(*tsets[0], tw)
+                if not (torch.equal(y, tsets[0][0]) and torch.equal(s, tsets[0][1])):
+                    raise RuntimeError("the row copy is not a copy")
+                row["row_copy"] = _spread(_torch_us(run_copy, "row_copy2", tsets, tw, args.calls))
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                row["row_copy"] = {"error": f"{type(e).__name__}: {e}"[:300]}
             for name, (run, frag) in peers.items():
                 try:
                     _check(run, *tsets[0], tw)
@@ -181,7 +218,8 @@ def main(argv=None):
 def report(rows, peer_names, calls, env) -> str:
     fresh = ["fresh"] if rows and "fresh" in rows[0] else []
     again = ["again", "fresh_again"] if rows and "again" in rows[0] else []
-    cols = ["k3pallas", *fresh, "xla", *peer_names, *again, "copy"]
+    row_copy = ["row_copy"] if rows and "row_copy" in rows[0] else []
+    cols = ["k3pallas", *fresh, "xla", *peer_names, *again, "copy", *row_copy]
 
     def cell(v):
         if "error" in v:
@@ -196,7 +234,9 @@ def report(rows, peer_names, calls, env) -> str:
              "aliases removed, into new buffers as the peers (`bench.ops.fresh_outputs`); "
              "`again`, `fresh_again`: both timed once more after the peers (the order's control); "
              "`copy`: the copy of the same bytes "
-             "(read x and r, write y and the residual); `% copy`: copy / k3pallas.", "",
+             "(read x and r, write y and the residual; XLA's, from jax); `row_copy`: the same "
+             "bytes copied by a Triton kernel launched from torch, one program per row on "
+             "Liger's warps; `% copy`: copy / k3pallas.", "",
              "| hidden | T | " + " | ".join(cols) + " | % copy |",
              "|---|---|" + "---|" * (len(cols) + 1)]
     for r in rows:
