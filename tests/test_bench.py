@@ -264,6 +264,48 @@ def test_beside_qkv_design_labels():
             beside_qkv._design(bad)
 
 
+def _ncu_csv(path, kernels, device="NVIDIA H200"):
+    """An ncu ``--csv --page details`` file as ncu 2025 writes it (the app's stdout mixed in)."""
+    head = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream",
+            "Block Size", "Grid Size", "Device", "CC", "Section Name", "Metric Name",
+            "Metric Unit", "Metric Value"]
+    lines = ["==PROF== Connected to process 1 (python3)", f"device: {device}",
+             ",".join(f'"{h}"' for h in head)]
+    for i, (name, metrics) in enumerate(kernels):
+        for metric, (unit, value) in metrics.items():
+            row = [str(i), "1", "python3", "h", name, "1", "7", "(512, 1, 1)", "(16384, 1, 1)",
+                   "0", "9.0", "S", metric, unit, value]
+            lines.append(",".join(f'"{v}"' for v in row))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_ncu_add_norm_report(tmp_path):
+    """bench.inspection.ncu_add_norm's table: the second launch of each variant, in ORDER, its
+    metrics with their units; a file with another number of kernels is refused."""
+    from bench.inspection import ncu_add_norm as n
+
+    kernels = []
+    for j, name in enumerate(n.ORDER):
+        kname = {"liger": "_fused_add_rms_norm_forward_kernel", "row_copy": "row_copy2"}.get(
+            name, "k3pallas_add_rmsnorm")
+        for launch in range(2):
+            kernels.append((kname, {"Duration": ("ns", f"{1000 * j + launch}"),
+                                    "DRAM Throughput": ("%", f"{80 + j}.5"),
+                                    "Function Cache Configuration": ("", "CachePreferShared")}))
+    _ncu_csv(tmp_path / "ncu.csv", kernels)
+    table = n.report(str(tmp_path / "ncu.csv"))
+    assert "NVIDIA H200" in table.splitlines()[0]
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in table.splitlines()
+            if line.startswith("| ")}
+    assert rows["metric"][-1].rstrip(" |") == "row_copy"
+    assert [c.rstrip(" |") for c in rows["Duration"]] == [f"{1000 * j + 1} ns" for j in range(5)]
+    assert [c.rstrip(" |") for c in rows["DRAM Throughput"]] == [f"{80 + j}.5 %" for j in range(5)]
+    assert "`row_copy2`" in rows["kernel"][-1]
+    _ncu_csv(tmp_path / "short.csv", kernels[:-1])
+    with pytest.raises(ValueError, match="9 kernels profiled; 10 expected"):
+        n.report(str(tmp_path / "short.csv"))
+
+
 def test_ir_hashes_tell_a_kernel_change_from_a_rename(tmp_path):
     """The refactoring check: the same tree gives the same hashes; a launch or IR change shows."""
     from bench.inspection import ir_hashes

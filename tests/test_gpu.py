@@ -480,3 +480,22 @@ def test_inside_shard_map_and_with_shardings(rng):
                                 mesh=mesh, in_specs=(P("dp"), P(), P()), out_specs=P("dp")))
     for o, r in zip(mla(q, *ones), kp.mla_q_kv_norm(q, *ones, impl="pallas")):
         assert np.array_equal(np.asarray(o), np.asarray(r))
+
+
+def test_pallas_copy_control_copies_on_the_norms_launch_config():
+    """bench.inspection.beside_add_norm.pallas_copy (the peers tool's copy through the library's
+    row kernel): an exact copy of x and r, launched with the norm's rows and warps."""
+    from bench.inspection import beside_add_norm
+
+    rng = np.random.default_rng(7)
+    x, r = (_rand(rng, (300, 7168)) for _ in range(2))
+    w = _rand(rng, (7168,))
+
+    def norm(x, r):
+        return kp.add_rmsnorm(x, r, w, 1e-6, impl="pallas")
+    copy = beside_add_norm.pallas_copy(norm, x, r)
+    y, s = copy(x, r)
+    assert np.array_equal(np.asarray(y), np.asarray(x)) and np.array_equal(np.asarray(s), np.asarray(r))
+    (ours,) = _compat.triton_ir_modules(jax.jit(norm).lower(x, r))
+    (mine,) = _compat.triton_ir_modules(copy.lower(x, r))
+    assert (mine["grid"], mine["num_warps"]) == (ours["grid"], ours["num_warps"])

@@ -10,8 +10,10 @@ more: the k3pallas kernel into new buffers (``fresh``: ``bench.ops.fresh_outputs
 kernel over its inputs (``liger_in_place``), which tells what writing over the inputs costs
 either of them; both k3pallas variants are timed again after the peers (``again``,
 ``fresh_again``: whether the order of the timings matters); and the copy ceiling both ways,
-XLA's from jax (``copy``) and a Triton row copy launched from torch (``row_copy``: what the
-peers' launch path, allocator and compiler give without the arithmetic). Each peer is checked
+XLA's from jax (``copy``), the library's row kernel with no weight through jax (``pallas_copy``:
+the norm's tiles and launch config without its arithmetic) and a Triton row copy launched from
+torch (``row_copy``: what the peers' launch path, allocator and compiler give without the
+arithmetic). Each peer is checked
 against a float64 NumPy oracle first (bf16 output: 2**-7 relative; the residual exact). Device
 time from ``jax.profiler`` events (``bench.timing``; CUPTI records the torch kernels too), per
 call over ``--calls`` calls cycling through input sets (3x the L2 where a set is small). The
@@ -111,6 +113,22 @@ def _row_copy():
     return run
 
 
+def pallas_copy(fn, x, r):
+    """The copy ceiling through jax and the library's own row kernel: ``x`` and ``r`` read and
+    written to new buffers by the segments kernel with no weight (``norms.Segment(eps=None)``),
+    on the launch config that ``fn``'s ``add_rmsnorm`` kernel has at this shape (rows, warps):
+    the same tiles, masks and launch path as the norm, without its arithmetic."""
+    from k3pallas.kernels import hooks, norms
+
+    with hooks.recording() as launches:
+        jax.jit(fn).lower(x, r)
+    config = launches[-1].config
+    segments = [norms.Segment(0, 0, x.shape[1], None), norms.Segment(1, 0, r.shape[1], None)]
+    return jax.jit(lambda x, r: norms.segments_rows(
+        [x, r], segments, [], key="copy", q=None, interpret=False,
+        target=k3pallas.current_target(), config=config))
+
+
 def _check(run, x, r, w):
     """A peer against the float64 oracle: the residual the rounded sum, y within bf16."""
     import torch
@@ -192,6 +210,12 @@ def main(argv=None):
             best = min((_spread(_jax_us(fn, copy_sets, args.calls)[0]) for fn in copies.values()),
                        key=lambda v: v["median"])
             row["copy"] = best
+            copy = pallas_copy(lambda x, r: k3pallas.add_rmsnorm(x, r, jw, EPS, impl="pallas"),
+                               *jsets[0])
+            y, s = copy(*jsets[0])
+            if not (bool(jnp.array_equal(y, jsets[0][0])) and bool(jnp.array_equal(s, jsets[0][1]))):
+                raise RuntimeError("the Pallas copy is not a copy")
+            row["pallas_copy"] = _spread(_jax_us(copy, jsets, args.calls)[0])
             try:  # the same bytes copied from torch (one process, one clock)
                 y, s = row_copy(*tsets[0], tw)
                 if not (torch.equal(y, tsets[0][0]) and torch.equal(s, tsets[0][1])):
@@ -218,7 +242,7 @@ def main(argv=None):
 def report(rows, peer_names, calls, env) -> str:
     fresh = ["fresh"] if rows and "fresh" in rows[0] else []
     again = ["again", "fresh_again"] if rows and "again" in rows[0] else []
-    row_copy = ["row_copy"] if rows and "row_copy" in rows[0] else []
+    row_copy = [c for c in ("pallas_copy", "row_copy") if rows and c in rows[0]]
     cols = ["k3pallas", *fresh, "xla", *peer_names, *again, "copy", *row_copy]
 
     def cell(v):
@@ -234,7 +258,9 @@ def report(rows, peer_names, calls, env) -> str:
              "aliases removed, into new buffers as the peers (`bench.ops.fresh_outputs`); "
              "`again`, `fresh_again`: both timed once more after the peers (the order's control); "
              "`copy`: the copy of the same bytes "
-             "(read x and r, write y and the residual; XLA's, from jax); `row_copy`: the same "
+             "(read x and r, write y and the residual; XLA's, from jax); `pallas_copy`: the same "
+             "bytes copied by the library's row kernel with no weight, on the norm's launch "
+             "config, through jax; `row_copy`: the same "
              "bytes copied by a Triton kernel launched from torch, one program per row on "
              "Liger's warps; `% copy`: copy / k3pallas.", "",
              "| hidden | T | " + " | ".join(cols) + " | % copy |",
