@@ -25,7 +25,7 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
 ORDER = ("k3pallas", "fresh", "pallas_copy", "liger", "row_copy")
-METRICS = ("Duration", "DRAM Throughput", "L2 Cache Throughput", "L1/TEX Hit Rate", "L2 Hit Rate",
+METRICS = ("Block Size", "Grid Size", "Duration", "DRAM Throughput", "L2 Cache Throughput", "L1/TEX Hit Rate", "L2 Hit Rate",
            "Registers Per Thread", "Achieved Occupancy", "Function Cache Configuration",
            "Shared Memory Configuration Size")
 
@@ -56,7 +56,8 @@ def launch(hidden: int, tokens: int) -> None:
     runs = {"k3pallas": lambda: in_place(x, r), "fresh": lambda: fresh(x, r),
             "pallas_copy": lambda: copy(x, r), "liger": lambda: liger(tx, tr, tw),
             "row_copy": lambda: row_copy(tx, tr, tw)}
-    print(f"device: {jax.devices()[0].device_kind}", flush=True)  # into ncu's output, for report
+    # Into ncu's output, for ``report``.
+    print(f"device: {jax.devices()[0].device_kind}, bf16 [{tokens}, {hidden}]", flush=True)
     for name in ORDER:
         for _ in range(2):
             jax.block_until_ready(runs[name]())
