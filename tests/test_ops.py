@@ -216,8 +216,9 @@ def test_mxfp4_tiles_pack_alike(rng):
     y[0, 1] = 0.0
     y[2, 0, 5] = np.nan
     q = common.Quant(kp.MXFP4, native=False)
-    codes, scale = block_scaled.block_codes(jnp.asarray(y), q)
-    pair_codes, pair_scale = block_scaled.block_codes(jnp.asarray(y).reshape(4, 3, 16, 2), q)
+    codes, scale = block_scaled.block_codes(jnp.asarray(y), q, trail=1)
+    pair_codes, pair_scale = block_scaled.block_codes(jnp.asarray(y).reshape(4, 3, 16, 2), q,
+                                                      trail=2)
     np.testing.assert_array_equal(np.asarray(codes), np.asarray(pair_codes))
     np.testing.assert_array_equal(np.asarray(scale), np.asarray(pair_scale))
     ref = kp.MXFP4.quantize(jnp.asarray(y.reshape(4, 96)))

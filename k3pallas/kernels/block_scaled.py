@@ -45,6 +45,11 @@ class Piece:
     blocks: tuple  # (first block, blocks) of this piece, for weights in block layout
     pairs: bool  # the tile is [R, b, block / 2, 2]
 
+    @property
+    def element_axes(self) -> int:
+        """A block's axes in the tile: ``[block]``, or ``[block / 2, 2]`` with pairs."""
+        return 2 if self.pairs else 1
+
 
 def block_parts(n_blocks: int, padded: bool = False) -> list[tuple[int, int]]:
     """The power-of-two pieces of a row's block axis: up to three exact ones (1536 columns: 32 +
@@ -112,11 +117,11 @@ def block_mask(piece: Piece, n_blocks):
 # ------------------------------------------------------------------------------------------------
 
 
-def block_codes(y, q: common.Quant):
-    """float32 blocks ``y [..., block]`` or, two per byte, ``[..., block / 2, 2]`` -> (code bytes
-    ``[..., block / per_byte]``, stored scales ``[...]``)."""
+def block_codes(y, q: common.Quant, trail: int):
+    """float32 blocks ``y [..., block]`` (``trail`` 1) or, two per byte in pairs, ``[..., block / 2,
+    2]`` (``trail`` 2: ``Piece.element_axes``) -> (code bytes ``[..., block / per_byte]``, stored
+    scales ``[...]``)."""
     fmt = q.fmt
-    trail = 2 if fmt.per_byte == 2 and y.shape[-1] == 2 else 1  # the pair axis
     a = jnp.abs(y)
     amax, total = a, a
     for _ in range(trail):
@@ -141,7 +146,7 @@ def block_codes(y, q: common.Quant):
 
 
 def store_blocks(piece: Piece, y, codes_ref, scale_ref, q):
-    c, stored = block_codes(y, q)
+    c, stored = block_codes(y, q, piece.element_axes)
     common.store(codes_ref, piece.codes, c, piece.codes_mask)
     common.store(scale_ref, piece.scale, stored, piece.scale_mask)
 
@@ -201,7 +206,6 @@ def normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, *, in_rows, rows
     kernel, made ``add_rmsnorm`` at 7168 slower; docs/performance.md)."""
     block, per_byte = q.fmt.block, q.fmt.per_byte
     n_blocks = width // block
-    trail = 3 if per_byte == 2 and pairs else 2  # the block axes of a tile
 
     def load_x(p):
         x = common.load(x_ref, p.load, p.mask)
@@ -213,14 +217,15 @@ def normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, *, in_rows, rows
                common.load(w_ref, weight_index(p, block), block_mask(p, n_blocks)))
               for p in pieces(rows, in_rows, n_blocks, block, per_byte, col0=col0, padded=padded,
                               pairs=pairs)]
+    axes = 1 + loaded[0][0].element_axes  # a tile's block axis and a block's (every piece alike)
     ss = None
     for _, x, _, _ in loaded:  # the row's mean square over all its block pieces
         x = x.astype(jnp.float32)
         s = x * x
-        for _ in range(trail):
+        for _ in range(axes):
             s = jnp.sum(s, axis=-1)
         ss = s if ss is None else ss + s
-    inv = common.inv_rms(ss / width, eps, ftz)[(Ellipsis,) + (None,) * trail]
+    inv = common.inv_rms(ss / width, eps, ftz)[(Ellipsis,) + (None,) * axes]
     for p, x, g, w in loaded:
         y = x.astype(jnp.float32) * inv * w.astype(jnp.float32)[None]
         if g is not None:
