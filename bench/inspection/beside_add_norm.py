@@ -213,7 +213,7 @@ def main(argv=None):
             copy = pallas_copy(lambda x, r: k3pallas.add_rmsnorm(x, r, jw, EPS, impl="pallas"),
                                *jsets[0])
             y, s = copy(*jsets[0])
-            if not (bool(jnp.array_equal(y, jsets[0][0])) and bool(jnp.array_equal(s, jsets[0][1]))):
+            if not all(bool(jnp.array_equal(a, b)) for a, b in zip((y, s), jsets[0])):
                 raise RuntimeError("the Pallas copy is not a copy")
             row["pallas_copy"] = _spread(_jax_us(copy, jsets, args.calls)[0])
             try:  # the same bytes copied from torch (one process, one clock)

@@ -25,9 +25,9 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
 ORDER = ("k3pallas", "fresh", "pallas_copy", "liger", "row_copy")
-METRICS = ("Block Size", "Grid Size", "Duration", "DRAM Throughput", "L2 Cache Throughput", "L1/TEX Hit Rate", "L2 Hit Rate",
-           "Registers Per Thread", "Achieved Occupancy", "Function Cache Configuration",
-           "Shared Memory Configuration Size")
+METRICS = ("Block Size", "Grid Size", "Duration", "DRAM Throughput", "L2 Cache Throughput",
+           "L1/TEX Hit Rate", "L2 Hit Rate", "Registers Per Thread", "Achieved Occupancy",
+           "Function Cache Configuration", "Shared Memory Configuration Size")
 
 
 def launch(hidden: int, tokens: int) -> None:
@@ -47,7 +47,8 @@ def launch(hidden: int, tokens: int) -> None:
     def fn(x, r):
         return k3pallas.add_rmsnorm(x, r, jw, eps, impl="pallas")
 
-    x, r = (jax.random.normal(jax.random.PRNGKey(i), (tokens, hidden), jnp.bfloat16) for i in (0, 1))
+    x, r = (jax.random.normal(jax.random.PRNGKey(i), (tokens, hidden), jnp.bfloat16)
+            for i in (0, 1))
     copy = ban.pallas_copy(fn, x, r)
     in_place, fresh = bench_ops.jit_for("add_rmsnorm", None)(fn), bench_ops.fresh_outputs(fn)
     tx, tr = (torch.randn(tokens, hidden, device="cuda").bfloat16() for _ in range(2))
