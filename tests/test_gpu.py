@@ -482,12 +482,11 @@ def test_inside_shard_map_and_with_shardings(rng):
         assert np.array_equal(np.asarray(o), np.asarray(r))
 
 
-def test_pallas_copy_control_copies_on_the_norms_launch_config():
+def test_pallas_copy_control_copies_on_the_norms_launch_config(rng):
     """bench.inspection.beside_add_norm.pallas_copy (the peers tool's copy through the library's
     row kernel): an exact copy of x and r, launched with the norm's rows and warps."""
     from bench.inspection import beside_add_norm
 
-    rng = np.random.default_rng(7)
     x, r = (_rand(rng, (300, 7168)) for _ in range(2))
     w = _rand(rng, (7168,))
 
