@@ -244,6 +244,14 @@ def test_nan_and_zero_tokens(rng):
         assert np.isnan(f64(dirty.scale)[9, 0]) and np.isnan(f64(dirty.data)[9]).all()
         keep = np.arange(64) != 9
         assert np.array_equal(codes_bytes(dirty.data)[keep], codes_bytes(clean.data)[keep])
+        # A NaN gate: a NaN in y with a finite norm (Triton's float max drops NaN).
+        g_nan = np.asarray(g, np.float32)
+        g_nan[17, 3, 5] = np.nan
+        dirty = kp.rmsnorm_gated_fp8_per_token(jnp.asarray(x), w, jnp.asarray(g_nan, jnp.bfloat16),
+                                               fp8_dtype=name, impl="pallas")
+        assert np.isnan(f64(dirty.scale)[17, 0]) and np.isnan(f64(dirty.data)[17]).all()
+        keep = np.arange(64) != 17
+        assert np.array_equal(codes_bytes(dirty.data)[keep], codes_bytes(clean.data)[keep])
         assert f64(clean.scale)[5, 0] == pytest.approx(clean.format.min_scale, rel=1e-7)
         assert (f64(clean.data)[5] == 0).all()
 

@@ -287,6 +287,18 @@ def test_add_rmsnorm_residual_is_the_rounded_sum(rng, dtype):
     assert np.array_equal(np.asarray(y_plain, np.float64), np.asarray(y_fused, np.float64), equal_nan=True)
 
 
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_add_rmsnorm_nan_weight_is_a_nan_token(rng, impl):
+    """A NaN weight lane gives a NaN in every token's y with a finite norm: every per-token scale
+    and code is NaN (the amax beside the norm carries it; Triton's float max would drop it),
+    and the new residual is still the exact sum."""
+    x, r, w = CASES["add_rmsnorm"].make(rng, jnp.bfloat16)
+    w = w.at[w.shape[0] // 3].set(jnp.nan)
+    q, new = kp.add_rmsnorm(x, r, w, out_format="fp8_per_token", impl=impl)
+    assert np.isnan(f64(q.scale)).all() and np.isnan(f64(q.data)).all()
+    np.testing.assert_array_equal(f64(new), rounded(f64(x) + f64(r), jnp.bfloat16))
+
+
 def test_add_rmsnorm_updates_the_residual_in_place():
     """The kernel writes the new residual over the residual's buffer and an unquantized output
     over x's (``input_output_aliases``, as vLLM updates both): under jit with both donated the
