@@ -77,11 +77,10 @@ def normed_amax(z, inv_rms):
     """``max|y|`` per row of a normalized row ``y = z * inv_rms`` (the norm over the last axis;
     ``inv_rms`` without that axis), as ``max|z| * inv_rms``: exactly the same value (rounding by
     a positive factor is monotonic), and its reduction needs only ``z``, so it runs beside the
-    norm's instead of after it. A NaN of ``z``, which Triton's float max drops, is carried by a
-    sum of ``|z|`` beside the max; an infinity by the max; a non-finite norm by ``inv_rms``."""
-    a = jnp.abs(z)
-    total = jnp.sum(a, axis=-1)
-    return jnp.where(total == total, jnp.max(a, axis=-1) * inv_rms, jnp.nan)
+    norm's instead of after it. ONE integer max over ``|z|``'s bits (``common.abs_bits``) carries
+    a NaN or an infinity of ``z`` into the product; a non-finite norm comes in by ``inv_rms``."""
+    m = jnp.max(common.abs_bits(z), axis=-1)
+    return lax.bitcast_convert_type(m, jnp.float32) * inv_rms
 
 
 def epilogue(ys, out_refs, s_ref, *, n_rows, rows, quant, mode, pid=None, amax=None,
