@@ -121,6 +121,56 @@ def test_xla_hsaco_parsers():
                                 "occupancy": 5}) == ["spills (3 VGPR, 0 SGPR)", "scratch 16 bytes"]
 
 
+def _hlo_call(bytecode: bytes, name="k3pallas_rmsnorm", warps=4) -> str:
+    """One compiled-HLO line of a Triton call, its IR escaped as MLIR prints a string."""
+    esc = "".join(chr(b) if 32 <= b < 127 and chr(b) not in '\\"' else f"\\{b:02X}" for b in bytecode)
+    return (f'  %c = f32[8] custom_call(%p), custom_call_target="__gpu$xla.gpu.triton", '
+            f'backend_config={{ir = "{esc}", name = "{name}", num_stages = 1 : i32, '
+            f'num_warps = {warps} : i32}}')
+
+
+def test_the_gate_keys_a_triton_call_by_its_ir_text_not_its_bytes():
+    """The same kernel serialized with other locations (as another program traces it) has the
+    same key; another kernel or warp count another. XLA compiles the first two to one HSACO and
+    writes it once, so a key by the bytes left a kernel with no resources (the gate failed 40
+    named sharded cases, depending on which cases ran before them)."""
+    import io
+
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib import triton as jax_triton
+    from jax._src.lib.mlir import ir
+
+    from bench.rocm import xla as rocm_xla
+
+    def lowered_ir(d):
+        fn = lambda x, w: kp.rmsnorm(x, w, impl="pallas")  # noqa: E731
+        args = (jax.ShapeDtypeStruct((8, d), jnp.bfloat16), jax.ShapeDtypeStruct((d,), jnp.bfloat16))
+        (mod,) = testing.triton_ir_modules(testing.lower_for(fn, args, *testing.KNOWN_TARGETS["gfx942"]))
+        return mod["ir"]
+
+    ctx = jax_mlir.make_ir_context()
+    jax_triton.dialect.register_dialect(ctx)
+
+    def bytecode(text, loc):
+        with ctx:
+            m = ir.Module.parse(text)
+            with ir.Location.name(loc):
+                # Another location on every op: other bytes, the same code.
+                for op in m.body.operations:
+                    op.location = ir.Location.name(loc)
+            buf = io.BytesIO()
+            m.operation.write_bytecode(buf)
+        return buf.getvalue()
+
+    text = lowered_ir(256)
+    a, b = bytecode(text, "program_a"), bytecode(text, "another_program/with/a/long/name")
+    assert a != b
+    key = lambda data, **kw: rocm_xla.triton_calls(_hlo_call(data, **kw))["k3pallas_rmsnorm"]  # noqa: E731
+    assert key(a) == key(b)
+    assert key(a) != key(a, warps=8)
+    assert key(a) != key(bytecode(lowered_ir(512), "program_a"))
+
+
 def test_occupancy_formula():
     from bench.rocm.xla import occupancy
 

@@ -14,7 +14,7 @@ MI355X user's jax does), and reads what came out:
   dot became. Deviceless there is no autotuning: XLA takes its default GEMM choice.
 
 XLA compiles a kernel once per process: a case whose kernel it has already compiled writes no new
-HSACO, and takes the resources of the earlier case with the same Triton call as compiled (IR,
+HSACO, and takes the resources of the earlier case with the same Triton call as compiled (IR text,
 warps, stages; ``triton_calls``). The sharded cases of an arch share one process.
 """
 
@@ -100,8 +100,11 @@ def parse_code(dis: str, kernel: str) -> dict:
 
 def triton_calls(hlo: str) -> dict:
     """{kernel name: key} of every Triton call in a compiled program's HLO, as compiled (after
-    SPMD partitioning: the per-device kernel). The key hashes the call's backend config (the
-    Triton IR, name, warps, stages) without the grid, which does not change the machine code."""
+    SPMD partitioning: the per-device kernel). The key hashes the call's Triton IR as text, its
+    locations dropped, with the rest of its backend config (name, warps, stages) but not the grid,
+    which does not change the machine code. Not the IR's bytecode: the same kernel traced in
+    another program can serialize to other bytes (its locations and string table), which XLA
+    compiles to the same HSACO and so writes no new one (``Compiler.known``)."""
     out = {}
     for line in hlo.splitlines():
         if "__gpu$xla.gpu.triton" not in line or "backend_config={" not in line:
@@ -110,8 +113,28 @@ def triton_calls(hlo: str) -> dict:
         ir = re.search(r'\bir = "((?:[^"\\]|\\.)*)"', config)
         rest = config[ir.end():config.index("}", ir.end()) + 1]
         name = re.search(r'\bname = "([^"]+)"', rest).group(1)
-        out.setdefault(name, hashlib.sha256((ir.group(1) + rest).encode()).hexdigest())
+        out.setdefault(name, hashlib.sha256((_ir_text(ir.group(1)) + rest).encode()).hexdigest())
     return out
+
+
+_ESCAPE = re.compile(r"\\([0-9A-Fa-f]{2}|.)", re.S)
+_LOC = re.compile(r"\s*loc\((?:[^()]|\([^()]*\))*\)")
+
+
+def _ir_text(escaped: str) -> str:
+    """The Triton IR of an HLO-printed bytecode string (MLIR's escapes: ``\\XX`` hex, ``\\\\``,
+    ``\\"``) as text without locations."""
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib import triton as jax_triton
+    from jax._src.lib.mlir import ir
+
+    data = _ESCAPE.sub(lambda m: chr(int(m.group(1), 16)) if len(m.group(1)) == 2 else m.group(1),
+                       escaped).encode("latin-1")
+    ctx = jax_mlir.make_ir_context()
+    jax_triton.dialect.register_dialect(ctx)
+    with ctx:
+        text = str(ir.Module.parse(data))
+    return "\n".join(ln for ln in _LOC.sub("", text).splitlines() if not ln.startswith("#loc"))
 
 
 _THUNK = re.compile(r"kCustomKernel.*? (\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+) bytes")
