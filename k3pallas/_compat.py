@@ -101,8 +101,6 @@ def triton_ir_modules(lowered) -> list[dict]:
     dialect registered. Returns ``[{"name", "num_warps", "num_stages", "grid", "ir"}, ...]``.
     Uses private jax modules (``jax._src``), which is why it lives here.
     """
-    from jax._src.interpreters import mlir as jax_mlir
-    from jax._src.lib import triton as jax_triton
     from jax._src.lib.mlir import ir
 
     calls = []
@@ -120,18 +118,27 @@ def triton_ir_modules(lowered) -> list[dict]:
 
     walk(lowered.compiler_ir("stablehlo").operation)
     out = []
-    ctx = jax_mlir.make_ir_context()
-    jax_triton.dialect.register_dialect(ctx)
     for cfg in calls:
-        blob = ir.StringAttr(cfg["ir"]).value_bytes
-        with ctx:
-            text = str(ir.Module.parse(blob))
+        text = triton_ir_text(ir.StringAttr(cfg["ir"]).value_bytes)
         fields = {k: ir.IntegerAttr(cfg[k]).value for k in ("num_warps", "num_stages", "grid_x",
                                                              "grid_y", "grid_z")}
         out.append({"name": ir.StringAttr(cfg["name"]).value, "num_warps": fields["num_warps"],
                     "num_stages": fields["num_stages"],
                     "grid": (fields["grid_x"], fields["grid_y"], fields["grid_z"]), "ir": text})
     return out
+
+
+def triton_ir_text(blob: bytes) -> str:
+    """A kernel's Triton IR from its MLIR bytecode (as Pallas stores it), printed as text in an
+    MLIR context with jaxlib's triton dialect registered."""
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib import triton as jax_triton
+    from jax._src.lib.mlir import ir
+
+    ctx = jax_mlir.make_ir_context()
+    jax_triton.dialect.register_dialect(ctx)
+    with ctx:
+        return str(ir.Module.parse(blob))
 
 
 def register_deviceless_gpu_kind(device_kind: str, arch: str) -> None:

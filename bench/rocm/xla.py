@@ -124,16 +124,11 @@ _LOC = re.compile(r"\s*loc\((?:[^()]|\([^()]*\))*\)")
 def _ir_text(escaped: str) -> str:
     """The Triton IR of an HLO-printed bytecode string (MLIR's escapes: ``\\XX`` hex, ``\\\\``,
     ``\\"``) as text without locations."""
-    from jax._src.interpreters import mlir as jax_mlir
-    from jax._src.lib import triton as jax_triton
-    from jax._src.lib.mlir import ir
+    from k3pallas import _compat
 
     data = _ESCAPE.sub(lambda m: chr(int(m.group(1), 16)) if len(m.group(1)) == 2 else m.group(1),
                        escaped).encode("latin-1")
-    ctx = jax_mlir.make_ir_context()
-    jax_triton.dialect.register_dialect(ctx)
-    with ctx:
-        text = str(ir.Module.parse(data))
+    text = _compat.triton_ir_text(data)
     return "\n".join(ln for ln in _LOC.sub("", text).splitlines() if not ln.startswith("#loc"))
 
 
