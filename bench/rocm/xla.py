@@ -113,23 +113,23 @@ def triton_calls(hlo: str) -> dict:
         ir = re.search(r'\bir = "((?:[^"\\]|\\.)*)"', config)
         rest = config[ir.end():config.index("}", ir.end()) + 1]
         name = re.search(r'\bname = "([^"]+)"', rest).group(1)
-        out.setdefault(name, hashlib.sha256((_ir_text(ir.group(1)) + rest).encode()).hexdigest())
+        key = _ir_text(ir.group(1), name) + rest
+        out.setdefault(name, hashlib.sha256(key.encode()).hexdigest())
     return out
 
 
 _ESCAPE = re.compile(r"\\([0-9A-Fa-f]{2}|.)", re.S)
-_LOC = re.compile(r"\s*loc\((?:[^()]|\([^()]*\))*\)")
 
 
-def _ir_text(escaped: str) -> str:
+def _ir_text(escaped: str, name: str) -> str:
     """The Triton IR of an HLO-printed bytecode string (MLIR's escapes: ``\\XX`` hex, ``\\\\``,
-    ``\\"``) as text without locations."""
+    ``\\"``) as text, normalized as ``ir_hashes`` hashes it (no locations)."""
+    from bench.inspection import ir_hashes
     from k3pallas import _compat
 
     data = _ESCAPE.sub(lambda m: chr(int(m.group(1), 16)) if len(m.group(1)) == 2 else m.group(1),
                        escaped).encode("latin-1")
-    text = _compat.triton_ir_text(data)
-    return "\n".join(ln for ln in _LOC.sub("", text).splitlines() if not ln.startswith("#loc"))
+    return ir_hashes.normalized(_compat.triton_ir_text(data), name)
 
 
 _THUNK = re.compile(r"kCustomKernel.*? (\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+) bytes")
