@@ -122,13 +122,12 @@ def block_codes(y, q: common.Quant, trail: int):
     2]`` (``trail`` 2: ``Piece.element_axes``) -> (code bytes ``[..., block / per_byte]``, stored
     scales ``[...]``)."""
     fmt = q.fmt
-    # ONE integer max over |y|'s bits per block gives the maximum and any NaN or inf
-    # (common.abs_bits; a float max drops NaN and needed a second, NaN-carrying reduction).
-    amax_bits = common.abs_bits(y)
+    a = jnp.abs(y)
+    amax, total = a, a
     for _ in range(trail):
-        amax_bits = jnp.max(amax_bits, axis=-1)
-    nonfinite = amax_bits >= common.INF_BITS
-    amax = jax.lax.bitcast_convert_type(amax_bits, jnp.float32)
+        amax, total = jnp.max(amax, axis=-1), jnp.sum(total, axis=-1)
+    # NaN: the sum keeps it (Triton's max drops it); infinity: the max keeps it.
+    nonfinite = (total != total) | (amax == jnp.inf)
     stored, inv = fmt.block_scale(amax, nonfinite)
     per_element = (Ellipsis,) + (None,) * trail
     v = fmt.scaled(y, stored[per_element], inv[per_element])
