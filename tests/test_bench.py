@@ -318,3 +318,29 @@ def test_ir_hashes_tell_a_kernel_change_from_a_rename(tmp_path):
     assert ir_hashes.compare(a, b) == [f"{key}: num_warps differ"]
     ir = "module @k3pallas_x {\n  tt.func public @k3pallas_x() loc(#loc1)\n}\n#loc1 = loc(\"f.py\":1:2)"
     assert ir_hashes.normalized(ir, "k3pallas_x") == "module @kernel {\n  tt.func public @kernel()\n}"
+
+
+def test_ab_loads_a_git_ref_as_its_own_package(tmp_path):
+    """``bench.inspection.ab`` imports a git ref's ``k3pallas`` as ``k3pallas_base`` (every import
+    renamed, so its kernels are its own): against HEAD the working tree gives the same bits, and
+    a change in the base's kernel alone is seen as other bits."""
+    import importlib
+
+    from bench.inspection import ab
+
+    base = ab.base_package("HEAD", str(tmp_path))
+    blocks = importlib.import_module("k3pallas_base.kernels.block_scaled")
+    assert base.__file__.startswith(str(tmp_path)) and blocks.__file__.startswith(str(tmp_path))
+    assert ab.run_case("add_rmsnorm_mx", "test", 3, base, impl="interpret", calls=1)["same_bits"]
+    orig = blocks.block_codes
+
+    def other_codes(y, q, trail):
+        codes, scales = orig(y, q, trail)
+        return codes ^ 1, scales
+
+    blocks.block_codes = other_codes
+    try:
+        row = ab.run_case("add_rmsnorm_mx", "test", 3, base, impl="interpret", calls=1)
+    finally:
+        blocks.block_codes = orig
+    assert row["same_bits"] is False and "base_a" not in row  # interpret mode: no timing
