@@ -128,16 +128,22 @@ def triton_ir_modules(lowered) -> list[dict]:
     return out
 
 
-def triton_ir_text(blob: bytes) -> str:
-    """A kernel's Triton IR from its MLIR bytecode (as Pallas stores it), printed as text in an
-    MLIR context with jaxlib's triton dialect registered."""
+def triton_ir_context():
+    """A new MLIR context with jaxlib's triton dialect registered (to parse or write a kernel's
+    Triton IR)."""
     from jax._src.interpreters import mlir as jax_mlir
     from jax._src.lib import triton as jax_triton
-    from jax._src.lib.mlir import ir
 
     ctx = jax_mlir.make_ir_context()
     jax_triton.dialect.register_dialect(ctx)
-    with ctx:
+    return ctx
+
+
+def triton_ir_text(blob: bytes) -> str:
+    """A kernel's Triton IR from its MLIR bytecode (as Pallas stores it), printed as text."""
+    from jax._src.lib.mlir import ir
+
+    with triton_ir_context():
         return str(ir.Module.parse(blob))
 
 

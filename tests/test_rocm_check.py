@@ -136,11 +136,10 @@ def test_the_gate_keys_a_triton_call_by_its_ir_text_not_its_bytes():
     named sharded cases, depending on which cases ran before them)."""
     import io
 
-    from jax._src.interpreters import mlir as jax_mlir
-    from jax._src.lib import triton as jax_triton
     from jax._src.lib.mlir import ir
 
     from bench.rocm import xla as rocm_xla
+    from k3pallas import _compat
 
     def lowered_ir(d):
         fn = lambda x, w: kp.rmsnorm(x, w, impl="pallas")  # noqa: E731
@@ -150,8 +149,7 @@ def test_the_gate_keys_a_triton_call_by_its_ir_text_not_its_bytes():
         (mod,) = testing.triton_ir_modules(lowered)
         return mod["ir"]
 
-    ctx = jax_mlir.make_ir_context()
-    jax_triton.dialect.register_dialect(ctx)
+    ctx = _compat.triton_ir_context()
 
     def bytecode(text, loc):
         with ctx:

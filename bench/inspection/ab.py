@@ -67,8 +67,7 @@ def base_package(ref: str, into: str):
 
 
 def _bits(a) -> np.ndarray:
-    a = np.asarray(a.astype(np.float32) if a.dtype.itemsize < 4 else a, np.float64)
-    return np.where(np.isnan(a), np.nan, a)
+    return np.asarray(a.astype(np.float32) if a.dtype.itemsize < 4 else a, np.float64)
 
 
 def same_bits(x, y) -> bool:
@@ -125,7 +124,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     impl = args.impl or ("pallas" if jax.default_backend() == "gpu" else "interpret")
     os.makedirs(args.out, exist_ok=True)
-    rows = []
+    rows, device = [], jax.devices()[0].device_kind
     with tempfile.TemporaryDirectory() as tmp:
         base = base_package(args.base, tmp)
         for item in args.cases.split(","):
@@ -133,7 +132,6 @@ def main(argv=None) -> int:
             for t in (int(v) for v in args.tokens.split(",")):
                 rows.append(run_case(name, config, t, base, impl=impl, calls=args.calls))
                 print(json.dumps(rows[-1]), flush=True)
-                device = jax.devices()[0].device_kind
                 with open(os.path.join(args.out, "ab.json"), "w") as fh:
                     json.dump({"base": args.base, "device": device, "impl": impl, "rows": rows}, fh,
                               indent=1)
