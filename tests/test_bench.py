@@ -347,3 +347,16 @@ def test_ab_loads_a_git_ref_as_its_own_package(tmp_path):
     finally:
         blocks.block_codes = orig
     assert row["same_bits"] is False and "base_a" not in row  # interpret mode: no timing
+
+
+def test_ab_loads_a_folder_as_the_base(tmp_path):
+    """``--base`` may name a folder holding a ``k3pallas`` package (a GPU lease has no git
+    history): the copy is imported from the temporary folder, not the working tree."""
+    import shutil
+
+    from bench.inspection import ab
+
+    shutil.copytree(os.path.join(ROOT, "k3pallas"), tmp_path / "src" / "k3pallas")
+    base = ab.base_package(str(tmp_path / "src"), str(tmp_path / "into"))
+    assert base.__file__.startswith(str(tmp_path / "into"))
+    assert ab.run_case("rmsnorm", "test", 2, base, impl="interpret", calls=1)["same_bits"]

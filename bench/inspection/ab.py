@@ -2,7 +2,8 @@
 [--calls 30] [--out DIR]``: the working tree's kernels against those of git ref ``REF``, in ONE
 process on ONE clock, as every kernel change is to be timed before it lands.
 
-``REF``'s ``k3pallas`` is taken out of git (``git archive``) into a temporary folder as the
+``REF``'s ``k3pallas`` is taken out of git (``git archive``; or, ``REF`` a folder, copied from
+``REF/k3pallas``) into a temporary folder as the
 package ``k3pallas_base`` (its import lines renamed; kernel names, tuned configs and all else its
 own), and each case (``OP:CONFIG``: a ``bench.cases`` op and one of its size configs, e.g.
 ``add_rmsnorm_mx:deepseek-v3-hidden-mxfp4``) runs both packages' public function on the same
@@ -23,6 +24,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -42,13 +44,18 @@ _IMPORT = re.compile(r"^(\s*(?:from|import)\s+)k3pallas\b", re.M)
 
 
 def base_package(ref: str, into: str):
-    """``ref``'s ``k3pallas`` imported as ``k3pallas_base`` from ``into``."""
-    blob = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", ref, "k3pallas"],
-                          capture_output=True, check=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-        tar.extractall(into, filter="data")
+    """``ref``'s ``k3pallas`` imported as ``k3pallas_base`` from ``into``: ``ref`` a git ref, or a
+    folder holding a ``k3pallas`` package (a machine without the history, e.g. a GPU lease)."""
     root = os.path.join(into, BASE_NAME)
-    os.rename(os.path.join(into, "k3pallas"), root)
+    if os.path.isdir(os.path.join(ref, "k3pallas")):
+        shutil.copytree(os.path.join(ref, "k3pallas"), root,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        blob = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", ref, "k3pallas"],
+                              capture_output=True, check=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+            tar.extractall(into, filter="data")
+        os.rename(os.path.join(into, "k3pallas"), root)
     for folder, _, files in os.walk(root):
         for name in files:
             if name.endswith(".py"):
@@ -115,7 +122,7 @@ def markdown(rows, ref: str, device: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", required=True, help="the git ref to compare the working tree with")
+    p.add_argument("--base", required=True, help="the git ref (or a folder holding a k3pallas package) to compare the working tree with")
     p.add_argument("--cases", required=True, help="comma-separated OP:CONFIG (bench.cases)")
     p.add_argument("--tokens", default="1,64,4096")
     p.add_argument("--calls", type=int, default=30)
