@@ -7,10 +7,10 @@ process on ONE clock, as every kernel change is to be timed before it lands.
 package ``k3pallas_base`` (its import lines renamed; kernel names, tuned configs and all else its
 own), and each case (``OP:CONFIG``: a ``bench.cases`` op and one of its size configs, e.g.
 ``add_rmsnorm_mx:deepseek-v3-hidden-mxfp4``) runs both packages' public function on the same
-input sets, compiled as the benchmark compiles it (``bench.ops.jit_for``: the residual add in
-place). Per token count: whether the outputs are the same bits (NaN equal to NaN), then device
-time (``bench.timing``) in two rounds, the second in the opposite order; the ratio is tree /
-base over the medians of both rounds. Writes ``ab.md`` / ``ab.json`` to ``--out``.
+input sets, built and compiled as the benchmark builds its case (``bench.ops.make_case``,
+``input_sets``; ``jit_for``: the residual add in place). Per token count: whether the outputs
+are the same bits (NaN equal to NaN), then device time (``bench.timing``) in two rounds, the
+second in the opposite order; the ratio is tree / base over the medians of both rounds. Writes ``ab.md`` / ``ab.json`` to ``--out``.
 
 Without a GPU (``--impl interpret``) it only compares the outputs, at the sizes given: a check
 that both packages load and agree, no timing.
@@ -85,15 +85,14 @@ def same_bits(x, y) -> bool:
 
 
 def run_case(name: str, config: str, tokens: int, base, *, impl: str, calls: int) -> dict:
+    case = bench_ops.make_case(name, config, tokens, "bfloat16", impl)  # the benchmark's case
     spec = cases.OPS[name]
-    structs, options = spec.example(tokens, jax.numpy.bfloat16, **spec.sizes[config])
-    target = platform.current_target()
-    n_sets = bench_ops.rotation_sets(spec.bytes_moved(config, tokens, jax.numpy.bfloat16),
-                                     bench_ops.cache_bytes(target)) if impl == "pallas" else 1
-    sets = [bench_ops._fill(jax.random.PRNGKey(s), structs) for s in range(n_sets)]
-    compile_ = bench_ops.jit_for(spec.op, options.get("out_format")) if impl == "pallas" else jax.jit
+    _, options = spec.example(tokens, jax.numpy.bfloat16, **spec.sizes[config])
+    sets = (bench_ops.input_sets(case, platform.current_target()) if impl == "pallas"
+            else [case.make_inputs(0)])
+    compile_ = bench_ops.jit_for(spec.op, options.get("out_format"))
     fns = {"base": compile_(lambda *a: getattr(base, spec.op)(*a, impl=impl, **options)),
-           "tree": compile_(lambda *a: spec.fn(*a, impl=impl, **options))}
+           "tree": case.variants["k3pallas"]}
     outs = {k: jax.device_get(fn(*sets[0])) for k, fn in fns.items()}
     row = {"op": name, "config": config, "tokens": tokens, "same_bits": same_bits(*outs.values())}
     if impl != "pallas":
