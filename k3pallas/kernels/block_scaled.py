@@ -123,11 +123,19 @@ def block_codes(y, q: common.Quant, trail: int):
     scales ``[...]``)."""
     fmt = q.fmt
     a = jnp.abs(y)
-    amax, total = a, a
-    for _ in range(trail):
-        amax, total = jnp.max(amax, axis=-1), jnp.sum(total, axis=-1)
-    # NaN: the sum keeps it (Triton's max drops it); infinity: the max keeps it.
-    nonfinite = (total != total) | (amax == jnp.inf)
+    if trail == 2:
+        # A pair tile spreads a block over 16 lanes: NaN counted as infinity before ONE max (two
+        # operations an element) is cheaper than a second, NaN-carrying reduction's shuffles.
+        amax = jnp.where(y != y, jnp.inf, a)
+        for _ in range(trail):
+            amax = jnp.max(amax, axis=-1)
+        nonfinite = amax == jnp.inf
+    else:
+        amax, total = a, a
+        for _ in range(trail):
+            amax, total = jnp.max(amax, axis=-1), jnp.sum(total, axis=-1)
+        # NaN: the sum keeps it (Triton's max drops it); infinity: the max keeps it.
+        nonfinite = (total != total) | (amax == jnp.inf)
     stored, inv = fmt.block_scale(amax, nonfinite)
     per_element = (Ellipsis,) + (None,) * trail
     v = fmt.scaled(y, stored[per_element], inv[per_element])
