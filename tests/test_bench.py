@@ -306,6 +306,21 @@ def test_ncu_add_norm_report(tmp_path):
         n.report(str(tmp_path / "short.csv"))
 
 
+def test_resident_table():
+    """bench.inspection.resident's table: per T, each case's resident time against the first
+    case of that T and against its own rotated time; needs a GPU to measure (refused here)."""
+    from bench.inspection import resident
+
+    rows = [{"op": op, "config": "c", "tokens": t, "input_mb": 28.0, "resident": res,
+             "rotated": 2 * res} for t in (1024, 2048) for op, res in (("plain", 10.0 * t / 1024),
+                                                                        ("mxfp4", 15.0 * t / 1024))]
+    table = resident.markdown(rows, "NVIDIA H100 80GB HBM3")
+    lines = [line for line in table.splitlines() if line.startswith("| plain") or line.startswith("| mxfp4")]
+    assert [line.rstrip(" |").split(" | ")[-2:] for line in lines] == [["0.50", "1.00"], ["0.50", "1.50"]] * 2
+    if resident.jax.default_backend() != "gpu":
+        assert resident.main(["--tokens", "8"]) == 2
+
+
 def test_ir_hashes_tell_a_kernel_change_from_a_rename(tmp_path):
     """The refactoring check: the same tree gives the same hashes; a launch or IR change shows."""
     from bench.inspection import ir_hashes
