@@ -171,6 +171,10 @@ def main(argv=None):
     p.add_argument("--hidden", default="7168,4096")
     p.add_argument("--tokens", default="1,8,64,256,1024,4096,16384,65536")
     p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--sets", type=int, default=0,
+                   help="input sets to cycle (default: 3x the L2, at most 16); 1: every variant on "
+                        "one set, its data in L2 where it fits (the SMs' share of the time: "
+                        "bench.inspection.resident)")
     p.add_argument("--out", default=os.path.join("bench", "out"))
     args = p.parse_args(argv)
     import torch
@@ -181,7 +185,7 @@ def main(argv=None):
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     env = {"jax": jax.__version__, "torch": torch.__version__,
-           "device_kind": jax.devices()[0].device_kind}
+           "device_kind": jax.devices()[0].device_kind, "sets": args.sets or "rotated"}
     for d in (int(v) for v in args.hidden.split(",")):
         tw = torch.randn(d, device="cuda", generator=gen).bfloat16()
         jw = jnp.asarray(tw.float().cpu().numpy(), jnp.bfloat16)
@@ -194,7 +198,8 @@ def main(argv=None):
         xla = in_place(lambda x, r: k3pallas.add_rmsnorm(x, r, jw, EPS, impl="reference"))
         for t in (int(v) for v in args.tokens.split(",")):
             nbytes = 4 * t * d * 2  # read x and r, write y and the new residual
-            n_sets = bench_ops.rotation_sets(2 * t * d * 2, bench_ops.cache_bytes(target), 16)
+            n_sets = args.sets or bench_ops.rotation_sets(2 * t * d * 2,
+                                                          bench_ops.cache_bytes(target), 16)
             key = jax.random.PRNGKey(t)
             jsets = [tuple(jax.random.normal(jax.random.fold_in(key, 2 * s + i), (t, d), jnp.bfloat16)
                            for i in range(2)) for s in range(n_sets)]
@@ -263,7 +268,9 @@ def report(rows, peer_names, calls, env) -> str:
              "bytes copied by the library's row kernel with no weight, on the norm's launch "
              "config, through jax; `row_copy`: the same "
              "bytes copied by a Triton kernel launched from torch, one program per row on "
-             "Liger's warps; `% copy`: copy / k3pallas.", "",
+             "Liger's warps; `% copy`: copy / k3pallas."
+             + (" ONE input set for every variant (`--sets 1`): the data in L2 where it fits."
+                if env.get("sets") == 1 else ""), "",
              "| hidden | T | " + " | ".join(cols) + " | % copy |",
              "|---|---|" + "---|" * (len(cols) + 1)]
     for r in rows:
