@@ -120,8 +120,8 @@ def pallas_copy(fn, x, r):
     the same tiles, masks and launch path as the norm, without its arithmetic."""
     from k3pallas.kernels import hooks, norms
 
-    with hooks.recording() as launches:
-        jax.jit(fn).lower(x, r)
+    with hooks.recording() as launches:  # a function of its own: jax reuses fn's cached trace
+        jax.jit(lambda x, r: fn(x, r)).lower(x, r)
     config = launches[-1].config
     segments = [norms.Segment(0, 0, x.shape[1], None), norms.Segment(1, 0, r.shape[1], None)]
     return jax.jit(lambda x, r: norms.segments_rows(
