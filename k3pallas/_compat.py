@@ -148,18 +148,23 @@ def triton_ir_text(blob: bytes) -> str:
 
 
 def register_deviceless_gpu_kind(device_kind: str, arch: str) -> None:
-    """Tell Pallas' Triton lowering (jax >= 0.12: ``jax._src.pallas.triton.gpu_info``) the arch
-    of an AMD device kind it does not map itself ("MI300X", as XLA's ROCm topology devices say),
-    for lowering without that device attached. On hardware jax reads the arch from the device
-    (``compute_capability`` "gfx942"); jax 0.10 / 0.11 do not look at the kind. No-op for the
-    kinds jax knows (NVIDIA names, "gfx..."), for non-AMD arches, and on jax without the module.
+    """Tell Pallas' Triton lowering the arch of an AMD device kind it does not map itself
+    ("MI300X", as XLA's ROCm topology devices say), for lowering without that device attached:
+    its ``gpu_info.registry`` (jax 0.12.0: ``jax._src.pallas.triton.gpu_info``; 0.12.1:
+    ``jax._src.gpu_info``, where an unmapped kind stops the lowering). On hardware jax reads
+    the arch from the device (``compute_capability`` "gfx942"); jax 0.10 / 0.11 do not look at
+    the kind. No-op for the kinds jax knows (NVIDIA names, "gfx..."), for non-AMD arches, and on
+    jax without the module.
     """
     if not arch.startswith("gfx") or arch == "gfx_unknown" or device_kind.startswith("gfx"):
         return
     try:
-        from jax._src.pallas.triton import gpu_info
+        from jax._src import gpu_info
     except ImportError:
-        return
+        try:
+            from jax._src.pallas.triton import gpu_info
+        except ImportError:
+            return
     registry = getattr(gpu_info, "registry", None)
     if registry is not None and device_kind not in registry:
         registry[device_kind] = lambda: gpu_info.GpuInfo(
@@ -174,8 +179,8 @@ def register_deviceless_gpu_kind(device_kind: str, arch: str) -> None:
 # the table entry ``(ir.Float8E4M3FNUZType, "float8_e4m3fnuz", lambda _: False)`` of
 # ``_UNSUPPORTED_CAST_DTYPES``, and ``pallas_call_registration`` calls
 # ``lowering.lower_jaxpr_to_triton_module`` with the kernel's jaxpr (whose ``debug_info.func_name``
-# is the pallas_call's name). Identical in 0.10.2, 0.11.2 and 0.12.0.
-NATIVE_FNUZ_JAX = ((0, 10, 2), (0, 11, 2), (0, 12, 0))
+# is the pallas_call's name). Identical in 0.10.2, 0.11.2, 0.12.0 and 0.12.1.
+NATIVE_FNUZ_JAX = ((0, 10, 2), (0, 11, 2), (0, 12, 0), (0, 12, 1))
 _IN_OWN_KERNEL = contextvars.ContextVar("k3pallas_lowering_own_kernel", default=False)
 _FNUZ_PATCHED = []
 
@@ -294,7 +299,7 @@ def explicit_axes(a) -> tuple:
 
 def jax_mx_quantize(y, data_type, block_size=32):
     """jax's own MX quantization (``jax.nn.scaled_dot_general``'s, private in every jax we
-    support: ``jax._src.cudnn.scaled_matmul_stablehlo.quantize``, present in 0.10.2 and 0.12.0),
+    support: ``jax._src.cudnn.scaled_matmul_stablehlo.quantize``, present in 0.10.2 to 0.12.1),
     for the benchmark's unfused MX variant and the tests' parity checks: ``(elements [..., N]
     in ``data_type``, float8_e8m0fnu scales [..., N / block_size])``."""
     from jax._src.cudnn.scaled_matmul_stablehlo import BlockScaleConfig, quantize

@@ -199,7 +199,7 @@ def test_native_fnuz_lowers_for_gfx942_in_our_kernels_only(op):
 def test_fnuz_patch_refuses_an_unknown_jax(monkeypatch):
     monkeypatch.setattr(_compat, "JAX_VERSION", (0, 9, 0))
     reason = _compat.native_fnuz_cast_unavailable()
-    assert reason and "written for jax 0.10.2, 0.11.2, 0.12.0, not" in reason
+    assert reason and "written for jax 0.10.2, 0.11.2, 0.12.0, 0.12.1, not" in reason
     assert "not" in fp8_cast.native_unavailable(GFX942, jnp.float8_e4m3fnuz)
     monkeypatch.setattr(fp8_cast, "_WARNED", set())
     with pytest.warns(RuntimeWarning, match="uses the integer encoder"):
