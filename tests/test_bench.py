@@ -315,8 +315,9 @@ def test_resident_table():
              "rotated": 2 * res} for t in (1024, 2048) for op, res in (("plain", 10.0 * t / 1024),
                                                                         ("mxfp4", 15.0 * t / 1024))]
     table = resident.markdown(rows, "NVIDIA H100 80GB HBM3")
-    lines = [line for line in table.splitlines() if line.startswith("| plain") or line.startswith("| mxfp4")]
-    assert [line.rstrip(" |").split(" | ")[-2:] for line in lines] == [["0.50", "1.00"], ["0.50", "1.50"]] * 2
+    lines = [line for line in table.splitlines() if line.startswith(("| plain", "| mxfp4"))]
+    assert ([line.rstrip(" |").split(" | ")[-2:] for line in lines]
+            == [["0.50", "1.00"], ["0.50", "1.50"]] * 2)
     if resident.jax.default_backend() != "gpu":
         assert resident.main(["--tokens", "8"]) == 2
 

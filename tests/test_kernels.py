@@ -51,8 +51,9 @@ def test_rows_per_program_with_a_partial_block(rng, rows, warps):
 
 def _same_but_scale_ulps(a, b, what=""):
     """Every output bit for bit, except float32 per-token scales within 2**-20 (relative) and
-    FP8 codes one step apart where a row's scales differ. jax 0.12.1's XLA CPU backend compiles the two programs'
-    float32 arithmetic differently (scales up to 3 ulp apart in 20 seeds; 0.10.2 - 0.12.0: none)."""
+    FP8 codes one step apart where a row's scales differ. jax 0.12.1's XLA CPU backend compiles
+    the two programs' float32 arithmetic differently (scales up to 3 ulp apart in 20 seeds;
+    0.10.2 - 0.12.0: none)."""
     leaves_a, leaves_b = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     scales = [(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b)
               if np.asarray(x).dtype == np.float32]

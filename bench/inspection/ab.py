@@ -10,7 +10,8 @@ own), and each case (``OP:CONFIG``: a ``bench.cases`` op and one of its size con
 input sets, built and compiled as the benchmark builds its case (``bench.ops.make_case``,
 ``input_sets``; ``jit_for``: the residual add in place). Per token count: whether the outputs
 are the same bits (NaN equal to NaN), then device time (``bench.timing``) in two rounds, the
-second in the opposite order; the ratio is tree / base over the medians of both rounds. Writes ``ab.md`` / ``ab.json`` to ``--out``.
+second in the opposite order; the ratio is tree / base over the medians of both rounds. Writes
+``ab.md`` / ``ab.json`` to ``--out``.
 
 Without a GPU (``--impl interpret``) it only compares the outputs, at the sizes given: a check
 that both packages load and agree, no timing.

@@ -62,7 +62,8 @@ def markdown(rows, device: str) -> str:
         first.setdefault(r["tokens"], r["resident"])
         lines.append(f"| {r['op']} | {r['config']} | {r['tokens']} | {r['input_mb']:.1f} | "
                      f"{r['resident']:.2f} | {r['rotated']:.2f} | "
-                     f"{r['resident'] / r['rotated']:.2f} | {r['resident'] / first[r['tokens']]:.2f} |")
+                     f"{r['resident'] / r['rotated']:.2f} | "
+                     f"{r['resident'] / first[r['tokens']]:.2f} |")
     return "\n".join(lines)
 
 
