@@ -85,12 +85,13 @@ def same_bits(x, y) -> bool:
         np.array_equal(_bits(a), _bits(b), equal_nan=True) for a, b in zip(xs, ys))
 
 
-def run_case(name: str, config: str, tokens: int, base, *, impl: str, calls: int) -> dict:
+def run_case(name: str, config: str, tokens: int, base, *, impl: str, calls: int,
+             n_sets: int | None = None) -> dict:
     case = bench_ops.make_case(name, config, tokens, "bfloat16", impl)  # the benchmark's case
     spec = cases.OPS[name]
     _, options = spec.example(tokens, jax.numpy.bfloat16, **spec.sizes[config])
     sets = (bench_ops.input_sets(case, platform.current_target()) if impl == "pallas"
-            else [case.make_inputs(0)])
+            else [case.make_inputs(0)])[:n_sets]
     compile_ = bench_ops.jit_for(spec.op, options.get("out_format"))
     fns = {"base": compile_(lambda *a: getattr(base, spec.op)(*a, impl=impl, **options)),
            "tree": case.variants["k3pallas"]}
@@ -127,6 +128,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="1,64,4096")
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--impl", default=None, help="pallas (default on a GPU) or interpret")
+    p.add_argument("--sets", type=int, default=None,
+                   help="time on the first N input sets only (1: the data resident in L2 where it "
+                        "fits, bench.inspection.resident)")
     p.add_argument("--out", default=".")
     args = p.parse_args(argv)
     impl = args.impl or ("pallas" if jax.default_backend() == "gpu" else "interpret")
@@ -137,7 +141,8 @@ def main(argv=None) -> int:
         for item in args.cases.split(","):
             name, config = item.split(":")
             for t in (int(v) for v in args.tokens.split(",")):
-                rows.append(run_case(name, config, t, base, impl=impl, calls=args.calls))
+                rows.append(run_case(name, config, t, base, impl=impl, calls=args.calls,
+                                     n_sets=args.sets))
                 print(json.dumps(rows[-1]), flush=True)
                 with open(os.path.join(args.out, "ab.json"), "w") as fh:
                     json.dump({"base": args.base, "device": device, "impl": impl, "rows": rows}, fh,
