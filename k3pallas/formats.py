@@ -589,26 +589,31 @@ def exact_quotient(y, q, s, dtype):
     of ``s`` that a GPU may compute inexactly: PTX's ``div.full.f32`` errs by up to 2 ulp).
 
     The exact quotient lies in ``q``'s grid cell or next to it, so one midpoint decides: ``m``,
-    the midpoint above the grid point at or below ``|q|`` (read off ``q``'s bits; below the
-    smallest normal, where the grid step is constant, by a floor). The sign of ``|y| - m * s`` is exact: ``s = hi + lo`` (12 bits
-    each) and ``m`` has at most 5, so both products are exact, and the differences are exact or
-    far from zero. ``m``'s float32 neighbour on that side (``m`` itself for a tie) then rounds as
-    the quotient does. About 18 more instructions per element than a power-of-two scale's
-    multiply (docs/formats.md)."""
+    the midpoint above the grid point at or below ``|q|``, read off the bits of ``t = |q| + off``;
+    ``off`` is the smallest normal ``n`` below it (the grid step there is constant, the same as in
+    ``[n, 2n)``, where float32's bits show it) and 0 above. ``|q|`` just under ``n`` keeps ``off =
+    0`` (``t`` could round up to ``2n``): its cell in float32's binade is not one of the grid, but
+    its midpoint lies a quarter step under ``n`` and the side it picks rounds to ``n`` as the
+    quotient does. The comparison of ``|y| - m * hi`` with ``m * lo`` (``s = hi + lo``, 12 bits
+    each; ``m`` has at most 5) is exact: both products are exact, the difference is exact or far
+    from ``m * lo``. ``m``'s float32 neighbour on the quotient's side (``m`` itself for a tie)
+    then rounds as the quotient does. About 15 more instructions per element than a power-of-two
+    scale's multiply (docs/formats.md)."""
     fmt = fp8_lib.element_format(dtype)
     shift = 23 - fmt.man_bits
     low_mask, half = (1 << shift) - 1, 1 << (shift - 1)
     min_normal = float(2.0 ** (1 - fmt.bias))
-    sigma = min_normal * 2.0**-fmt.man_bits  # the grid step below the smallest normal
     aq = jnp.abs(q)
-    m = jnp.where(aq < min_normal, (jnp.floor(aq * (1 / sigma)) + 0.5) * sigma,  # exact scalings
-                  _float((_bits(aq) & ~low_mask) | half))
+    off = jnp.where(aq < min_normal * (1 - 2.0**-10), min_normal, 0.0)
+    m = _float((_bits(aq + off) & ~low_mask) | half) - off  # exact (Sterbenz)
     hi, lo = _split(s)
-    d = (jnp.abs(y) - m * hi) - m * lo  # the sign of |y| - m * s, exactly
-    mb = _bits(m)
-    # A NaN q (a NaN scale) gives a NaN m, whose neighbours are NaN too.
-    vb = jnp.where(d > 0, mb + 1, jnp.where(d == 0, mb, mb - 1))
-    return _float(vb | (_bits(q) & _SIGN))
+    # |y| - m * s = (|y| - m * hi) - m * lo: the first difference exact or far from the product,
+    # the second rounded with its sign (+0 for a tie); the side -1 / 0 / 1 from its bits by
+    # shifts (compares and selects held predicates across the tile, compiled for the H200).
+    d = _bits((jnp.abs(y) - m * hi) - m * lo)
+    side = (d >> 31) - ((-d) >> 31)
+    # m's neighbour with q's sign (a sign-magnitude step); a NaN q (a NaN scale) gives NaN.
+    return _float((_bits(m) | (_bits(q) & _SIGN)) + side)
 
 
 FP8_PER_TOKEN = Fp8PerToken()

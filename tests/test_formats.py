@@ -429,7 +429,8 @@ def test_scale_is_the_ieee_quotient(rng, c):
 @pytest.mark.parametrize("name,fp8_max", GROUP_DTYPES)
 def test_codes_are_the_rne_of_the_exact_quotient(rng, name, fp8_max):
     """``exact_quotient``: values at, and a few ulp either side of, every rounding midpoint (and
-    grid point) times random scales, zeros, subnormal quotients; from a product ``y * inv``
+    grid point) times random scales, zeros, subnormal quotients, quotients just under the
+    smallest normal; from a product ``y * inv``
     whose reciprocal is off by up to 3 ulp either way (a GPU's ``1 / s`` need not be IEEE):
     the codes are the RNE of the exact quotient, every one. The plain product misses many."""
     from support import fp8_grid, rne_to_grid
@@ -437,7 +438,10 @@ def test_codes_are_the_rne_of_the_exact_quotient(rng, name, fp8_max):
     fmt = kp.Fp8Group(name, fp8_max).bind(name)
     grid = fp8_grid(name)
     pos = grid[(grid > 0) & (grid <= fp8_max)]
-    points = np.concatenate([(pos[:-1] + pos[1:]) / 2, pos, [pos[0] / 2, pos[0] / 4]])
+    # Below the smallest normal at every distance down to its float32 neighbour (where the
+    # correction's shift into the next binade would round up to twice it).
+    under_normal = float(jnp.finfo(fmt.dtype).smallest_normal) * (1 - 2.0 ** -np.arange(1, 25))
+    points = np.concatenate([(pos[:-1] + pos[1:]) / 2, pos, [pos[0] / 2, pos[0] / 4], under_normal])
     g = 4096
     amax = (rng.uniform(1, 2, g) * np.exp2(rng.integers(-40, 40, g))).astype(np.float32)
     s, _ = jax.jit(lambda a: fmt.block_scale(a, jnp.zeros(a.shape, bool)))(amax)
