@@ -590,9 +590,9 @@ def exact_quotient(y, q, s, dtype):
 
     The exact quotient lies in ``q``'s grid cell or next to it, so one midpoint decides: ``m``,
     the midpoint above the grid point at or below ``|q|``, read off the bits of ``t = |q| + off``;
-    ``off`` is the smallest normal ``n`` below it (the grid step there is constant, the same as in
-    ``[n, 2n)``, where float32's bits show it) and 0 above. ``|q|`` just under ``n`` keeps ``off =
-    0`` (``t`` could round up to ``2n``): its cell in float32's binade is not one of the grid, but
+    ``off`` is the smallest normal ``n`` where ``|q|`` lies below it (the grid step there is
+    constant, the same as in ``[n, 2n)``, where float32's bits show it) and 0 elsewhere. ``|q|``
+    just under ``n`` keeps ``off = 0`` (``t`` could round up to ``2n``): its cell in float32's binade is not one of the grid, but
     its midpoint lies a quarter step under ``n`` and the side it picks rounds to ``n`` as the
     quotient does. The comparison of ``|y| - m * hi`` with ``m * lo`` (``s = hi + lo``, 12 bits
     each; ``m`` has at most 5) is exact: both products are exact, the difference is exact or far
