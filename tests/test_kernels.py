@@ -229,12 +229,14 @@ def test_scale_only_and_given_scale_launches(rng, form):
 
 
 def _first_rows(fn, ns, n_first=1):
-    """``fn(T)``'s first rows at each T of ``ns``, bit for bit the same (interpret mode: fixed
-    rows per program, so the same sums whatever T; sharding changes the local T)."""
-    base = [np.asarray(a)[:n_first] for a in jax.tree_util.tree_leaves(fn(ns[0]))]
+    """``fn(T)``'s first rows at each T of ``ns``, the same (interpret mode: fixed rows per
+    program, so the same sums whatever T; sharding changes the local T): bit for bit but for
+    float32 per-token scales, which XLA's CPU optimizer may round apart in the programs of two
+    token counts on jax 0.12.1 (``_same_but_scale_ulps``; seen at T = 1 and 33)."""
+    first = lambda out: [np.asarray(a)[:n_first] for a in jax.tree_util.tree_leaves(out)]  # noqa: E731
+    base = first(fn(ns[0]))
     for t in ns[1:]:
-        for a, b in zip(base, [np.asarray(a)[:n_first] for a in jax.tree_util.tree_leaves(fn(t))]):
-            assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"T={t} changes the first rows"
+        _same_but_scale_ulps(base, first(fn(t)), f"T={t} changes the first rows")
 
 
 @pytest.mark.parametrize("fmt", [None, "fp8_per_token", "mxfp4"])
