@@ -233,7 +233,9 @@ def _first_rows(fn, ns, n_first=1):
     program, so the same sums whatever T; sharding changes the local T): bit for bit but for
     float32 per-token scales, which XLA's CPU optimizer may round apart in the programs of two
     token counts on jax 0.12.1 (``_same_but_scale_ulps``; seen at T = 1 and 33)."""
-    first = lambda out: [np.asarray(a)[:n_first] for a in jax.tree_util.tree_leaves(out)]  # noqa: E731
+    def first(out):
+        return [np.asarray(a)[:n_first] for a in jax.tree_util.tree_leaves(out)]
+
     base = first(fn(ns[0]))
     for t in ns[1:]:
         _same_but_scale_ulps(base, first(fn(t)), f"T={t} changes the first rows")
