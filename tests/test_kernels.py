@@ -148,6 +148,35 @@ def test_the_shipped_table_names_launch_keys_that_exist():
         assert set(entries) <= keys, (arch, set(entries) - keys)
 
 
+def test_the_residual_add_loads_the_weight_first_at_decode():
+    """Per-token ``add_rmsnorm`` loads the weight with x and the residual where its programs fit
+    the cores at once (a core each: decode); other outputs, or more programs, after the new
+    residual's store."""
+    h200 = platform.target_for("NVIDIA H200", "cuda")  # 132 SMs
+    per_token = common.Quant(kp.Fp8PerToken(jnp.float8_e4m3fn).resolve(h200), True)
+    assert norms.loads_weight_first(per_token, 132, h200)
+    assert not norms.loads_weight_first(per_token, 133, h200)
+    assert not norms.loads_weight_first(common.Quant(kp.MXFP8.resolve(h200), True),
+                                        1, h200)
+    assert not norms.loads_weight_first(None, 1, h200)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["weight_first", "weight_after_store"])
+def test_add_rmsnorm_either_load_order(rng, monkeypatch, first):
+    """Both load orders of the residual add: the exact rounded sum over the residual and the
+    oracle's per-token FP8 of its norm, from NaN-poisoned outputs."""
+    monkeypatch.setattr(norms, "loads_weight_first", lambda *a: first)
+    x = jnp.asarray(rng.standard_normal((5, 200)) * 2, jnp.bfloat16)
+    r = jnp.asarray(rng.standard_normal((5, 200)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(200) * 0.5 + 1, jnp.float32)
+    with testing.poisoned_outputs():
+        qa, new = jax.jit(lambda *a: kp.add_rmsnorm(*a, out_format="fp8_per_token",
+                                                    impl="interpret"))(x, r, w)
+    want = (f64(x) + f64(r)).astype(jnp.bfloat16)  # one rounding of the exact sum (ml_dtypes RNE)
+    np.testing.assert_array_equal(f64(new), f64(want))
+    check_quantized(qa, rmsnorm64(f64(new), w, 1e-6), f"weight first: {first}")
+
+
 # ------------------------------------------------------------------------------------------------
 # The gated FP8 kernel's two forms; the cross-device scale launches
 # ------------------------------------------------------------------------------------------------

@@ -42,12 +42,14 @@ class Segment(NamedTuple):
 
 def _kernel(*refs, n_rows: int, rows: int, n_sources: int, segments: tuple[Segment, ...],
             quant: common.Quant | None, ftz: bool,
-            groups: tuple[tuple[int, ...], ...] | None = None, add: bool = False):
+            groups: tuple[tuple[int, ...], ...] | None = None, add: bool = False,
+            weight_first: bool = False):
     """``quant``: the first segment's output format (None: every segment in its input's dtype).
     ``groups``: None, every segment in each program; else the segments of the programs
     ``pl.program_id(1) = 0, 1, ...`` of a row block (``LaunchConfig.split``). ``add``: the one
     segment is ``x + residual`` (the last source, same columns), rounded to x's dtype and
-    written to the last output (aliased to the residual) before it is normalized."""
+    written to the last output (aliased to the residual) before it is normalized;
+    ``weight_first``: the weight loaded with x and the residual, before that store."""
     n_norm = sum(s.eps is not None for s in segments)
     x_refs = refs[:n_sources]
     w_refs = iter(refs[n_sources:n_sources + n_norm])
@@ -61,7 +63,8 @@ def _kernel(*refs, n_rows: int, rows: int, n_sources: int, segments: tuple[Segme
     pid = pl.program_id(0)
     if groups is None:
         _segments(range(len(segments)), x_refs, seg_w, seg_o, n_rows=n_rows, rows=rows,
-                  segments=segments, quant=quant, ftz=ftz, pid=pid, res=res)
+                  segments=segments, quant=quant, ftz=ftz, pid=pid, res=res,
+                  weight_first=weight_first)
         return
     for g, ids in enumerate(groups):
         pl.when(pl.program_id(1) == g)(functools.partial(
@@ -69,14 +72,17 @@ def _kernel(*refs, n_rows: int, rows: int, n_sources: int, segments: tuple[Segme
             quant=quant, ftz=ftz, pid=pid))
 
 
-def _segments(ids, x_refs, seg_w, seg_o, *, n_rows, rows, segments, quant, ftz, pid, res=None):
+def _segments(ids, x_refs, seg_w, seg_o, *, n_rows, rows, segments, quant, ftz, pid, res=None,
+              weight_first=False):
     """Normalize (or copy) the segments ``ids`` of this program's rows (``pid``: its row block);
-    ``res``: (residual ref, new residual ref) of the residual add (``_kernel``'s ``add``)."""
+    ``res``: (residual ref, new residual ref) of the residual add (``_kernel``'s ``add``, and
+    ``weight_first`` its)."""
     in_rows = common.row_mask(n_rows, rows, 2, pid)
     # The first segment in a block format: read in blocks (block_scaled).
     blocks_first = quant is not None and quant.fmt.block is not None and 0 in ids
     # Load every tile first: the loads then overlap, and none waits behind another tile's store
-    # (a store may alias a later load as far as the compiler knows).
+    # (a store may alias a later load as far as the compiler knows). The weight's load waits
+    # behind the new residual's store (for x's and the residual's data) unless ``weight_first``.
     tiles = []
     for i in ids:
         seg = segments[i]
@@ -86,12 +92,14 @@ def _segments(ids, x_refs, seg_w, seg_o, *, n_rows, rows, segments, quant, ftz, 
         mask = common.both(in_rows, lanes)
         src_index = index if seg.start == 0 else (index[0], index[1] + seg.start)
         x = common.load(x_refs[seg.source], src_index, mask)
-        if res is not None:
-            x = common.residual_add(x, common.load(res[0], src_index, mask), index, mask, res[1])
+        r = None if res is None else common.load(res[0], src_index, mask)
         w = None
-        if seg.eps is not None:
-            w_index, w_lanes = common.lane_index(seg.width)
-            w = common.load(seg_w[i], w_index, w_lanes)
+        if seg.eps is not None and weight_first:
+            w = common.load(seg_w[i], *common.lane_index(seg.width))
+        if r is not None:
+            x = common.residual_add(x, r, index, mask, res[1])
+        if seg.eps is not None and not weight_first:
+            w = common.load(seg_w[i], *common.lane_index(seg.width))
         tiles.append((i, index, mask, x, w))
     if blocks_first:
         seg = segments[0]
@@ -124,6 +132,17 @@ def _add_aliases(q, n_outs):
     donated input with the FIRST output of its shape and dtype, so donating the residual alone
     pairs it with ``y`` and XLA copies it (docs/residual.md)."""
     return {1: n_outs - 1} if q is not None else {0: 0, 1: n_outs - 1}
+
+
+def loads_weight_first(q: common.Quant | None, n_programs: int, target) -> bool:
+    """Whether the residual add loads the weight with x and the residual, before the new
+    residual's store (else after it, once x's and the residual's data are in): for a per-token
+    output where the programs fit the cores at once (decode). Its amax is taken beside the norm
+    (``row_scaled.normed_amax``) and needs the weight before the reduction, so a later load is
+    on the critical path of a program that has its core alone. The other outputs need the
+    weight after the reduction; with more programs than cores, other programs hide its latency
+    and the early load measured slower (docs/residual.md, Decode)."""
+    return q is not None and q.fmt.block is None and n_programs <= target.num_cores
 
 
 def row_elems(widths: Sequence[int]) -> tuple[int, int]:
@@ -163,7 +182,8 @@ def segments_rows(xs: Sequence[jax.Array], segments: Sequence[Segment],
     kernel = functools.partial(_kernel, n_rows=n_rows, rows=config.rows_per_program,
                                n_sources=len(xs), segments=segments, quant=q,
                                ftz=common.flush_to_zero(target, interpret), groups=groups,
-                               add=add)
+                               add=add, weight_first=add and loads_weight_first(
+                                   q, -(-n_rows // config.rows_per_program), target))
     outs = [jax.ShapeDtypeStruct((n_rows, s.width), xs[s.source].dtype) for s in segments]
     poison = [float("nan")] * len(outs)
     blocks = q is not None and q.fmt.block is not None
