@@ -110,6 +110,21 @@ def time_device(fn: Callable, input_sets: Sequence[tuple], n_calls: int = 30,
                   tuple(e.name for e in events[:k]), "device")
 
 
+def two_rounds(runs: dict, n_calls: int = 30) -> dict:
+    """Median device time of each ``name: (fn, input_sets)`` of ``runs``, timed in two rounds,
+    the second in the opposite order (a drift of clock or cache state over the run then weighs
+    on every entry alike): ``{name_a, name_b, name: their mean}`` in us."""
+    names = list(runs)
+    row = {}
+    for rnd, order in (("a", names), ("b", names[::-1])):
+        for name in order:
+            fn, sets = runs[name]
+            row[f"{name}_{rnd}"] = time_device(fn, sets, n_calls=n_calls).median_us
+    for name in names:
+        row[name] = (row[f"{name}_a"] + row[f"{name}_b"]) / 2
+    return row
+
+
 def time_device_multi(fn: Callable, input_sets: Sequence[tuple], n_calls: int = 20,
                       warmup: int = 3) -> dict:
     """Device time per call on each GPU of a multi-GPU (sharded) call.

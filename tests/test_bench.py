@@ -322,6 +322,21 @@ def test_resident_table():
         assert resident.main(["--tokens", "8"]) == 2
 
 
+def test_two_rounds_reverses_the_order(monkeypatch):
+    """``timing.two_rounds`` times every entry in order, then in the opposite order, and keeps
+    both rounds and their mean (the A/B and resident tools' timing)."""
+    seen = []
+
+    def fake(fn, sets, n_calls):
+        seen.append(fn())
+        return types.SimpleNamespace(median_us=len(seen) * 1.0)
+    monkeypatch.setattr(timing, "time_device", fake)
+    row = timing.two_rounds({"base": (lambda: "base", []), "tree": (lambda: "tree", [])}, 5)
+    assert seen == ["base", "tree", "tree", "base"]
+    assert row == {"base_a": 1.0, "tree_a": 2.0, "tree_b": 3.0, "base_b": 4.0,
+                   "base": 2.5, "tree": 2.5}
+
+
 def test_ir_hashes_tell_a_kernel_change_from_a_rename(tmp_path):
     """The refactoring check: the same tree gives the same hashes; a launch or IR change shows."""
     from bench.inspection import ir_hashes

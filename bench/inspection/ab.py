@@ -99,11 +99,8 @@ def run_case(name: str, config: str, tokens: int, base, *, impl: str, calls: int
     row = {"op": name, "config": config, "tokens": tokens, "same_bits": same_bits(*outs.values())}
     if impl != "pallas":
         return row
-    for rnd, order in (("a", ("base", "tree")), ("b", ("tree", "base"))):
-        for k in order:
-            row[f"{k}_{rnd}"] = timing.time_device(fns[k], sets, n_calls=calls).median_us
-    base_us = (row["base_a"] + row["base_b"]) / 2
-    row["ratio"] = (row["tree_a"] + row["tree_b"]) / 2 / base_us
+    row.update(timing.two_rounds({k: (fn, sets) for k, fn in fns.items()}, calls))
+    row["ratio"] = row["tree"] / row["base"]
     return row
 
 

@@ -41,11 +41,7 @@ def run_case(name: str, config: str, tokens: int, calls: int) -> dict:
             "rotated": bench_ops.input_sets(case, platform.current_target())}
     row = {"op": name, "config": config, "tokens": tokens, "input_mb": case.input_bytes / 2**20,
            "rotated_sets": len(sets["rotated"])}
-    for rnd, order in (("a", ("resident", "rotated")), ("b", ("rotated", "resident"))):
-        for k in order:
-            row[f"{k}_{rnd}"] = timing.time_device(fn, sets[k], n_calls=calls).median_us
-    for k in sets:
-        row[k] = (row[f"{k}_a"] + row[f"{k}_b"]) / 2
+    row.update(timing.two_rounds({k: (fn, s) for k, s in sets.items()}, calls))
     return row
 
 
