@@ -594,11 +594,11 @@ def exact_quotient(y, q, s, dtype):
     constant, the same as in ``[n, 2n)``, where float32's bits show it) and 0 elsewhere. ``|q|``
     just under ``n`` keeps ``off = 0`` (``t`` could round up to ``2n``): its cell in float32's
     binade is not one of the grid, but its midpoint lies a quarter step under ``n`` and the side
-    it picks rounds to ``n`` as the quotient does. The comparison of ``|y| - m * hi`` with ``m * lo`` (``s = hi + lo``, 12 bits
-    each; ``m`` has at most 5) is exact: both products are exact, the difference is exact or far
-    from ``m * lo``. ``m``'s float32 neighbour on the quotient's side (``m`` itself for a tie)
-    then rounds as the quotient does. About 15 more instructions per element than a power-of-two
-    scale's multiply (docs/formats.md)."""
+    it picks rounds to ``n`` as the quotient does. The comparison of ``|y| - m * hi`` with
+    ``m * lo`` (``s = hi + lo``, 12 bits each; ``m`` has at most 5) is exact: both products are
+    exact, the difference is exact or far from ``m * lo``. ``m``'s float32 neighbour on the
+    quotient's side (``m`` itself for a tie) then rounds as the quotient does. About 15 more
+    instructions per element than a power-of-two scale's multiply (docs/formats.md)."""
     fmt = fp8_lib.element_format(dtype)
     shift = 23 - fmt.man_bits
     low_mask, half = (1 << shift) - 1, 1 << (shift - 1)

@@ -156,8 +156,8 @@ def test_the_residual_add_loads_the_weight_first_at_decode():
     per_token = common.Quant(kp.Fp8PerToken(jnp.float8_e4m3fn).resolve(h200), True)
     assert norms.loads_weight_first(per_token, 132, h200)
     assert not norms.loads_weight_first(per_token, 133, h200)
-    assert not norms.loads_weight_first(common.Quant(kp.MXFP8.resolve(h200), True),
-                                        1, h200)
+    mxfp8 = common.Quant(kp.MXFP8.resolve(h200), True)
+    assert not norms.loads_weight_first(mxfp8, 1, h200)
     assert not norms.loads_weight_first(None, 1, h200)
 
 
