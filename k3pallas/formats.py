@@ -607,13 +607,20 @@ def exact_quotient(y, q, s, dtype):
     off = jnp.where(aq < min_normal * (1 - 2.0**-10), min_normal, 0.0)
     m = _float((_bits(aq + off) & ~low_mask) | half) - off  # exact (Sterbenz)
     hi, lo = _split(s)
-    # |y| - m * s = (|y| - m * hi) - m * lo: the first difference exact or far from the product,
-    # the second rounded with its sign (+0 for a tie); the side -1 / 0 / 1 from its bits by
-    # shifts (compares and selects held predicates across the tile, compiled for the H200).
-    d = _bits((jnp.abs(y) - m * hi) - m * lo)
-    side = (d >> 31) - ((-d) >> 31)
-    # m's neighbour with q's sign (a sign-magnitude step); a NaN q (a NaN scale) gives NaN.
-    return _float((_bits(m) | (_bits(q) & _SIGN)) + side)
+    # m * s - |y| = m * lo - (|y| - m * hi): the inner difference exact or far from the product,
+    # the outer rounded with its sign (+0 for a tie); the side from its bits (_signed_step).
+    return _signed_step(m, q, _bits(m * lo - (jnp.abs(y) - m * hi)))
+
+
+def _signed_step(m, q, d):
+    """``m``'s float32 neighbour with ``q``'s sign: one step of its magnitude's bits down where
+    ``d``, the bits of ``m * s - |y|``, is positive, up where negative, none for +0 (a tie); by
+    shifts (compares and selects held predicates across the tile, compiled for the H200).
+    A NaN ``m`` (a NaN scale) stays NaN. A GPU makes every NaN the canonical 0x7FFFFFFF, one
+    step UP from which is the sign bit (-0.0 codes: seen on an H100 with ``d`` the other way
+    round), and there ``d`` is that same positive NaN: a step down. Where NaNs keep their
+    payload (a CPU), ``m``'s low bits are the midpoint's ``10...0`` and either step stays NaN."""
+    return _float((_bits(m) | (_bits(q) & _SIGN)) + (((-d) >> 31) - (d >> 31)))
 
 
 FP8_PER_TOKEN = Fp8PerToken()

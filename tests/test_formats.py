@@ -462,6 +462,29 @@ def test_codes_are_the_rne_of_the_exact_quotient(rng, name, fp8_max):
     assert (plain != want).sum() > 100  # the test reaches the cases that need the correction
 
 
+def test_a_nan_midpoint_stays_nan():
+    """``exact_quotient``'s last step keeps a NaN midpoint (a NaN scale's group) NaN, with either
+    sign of ``q``, for the NaNs each machine makes: a GPU's canonical 0x7FFFFFFF for both ``m``
+    and the difference (one step up from it, as the step was first written, is the sign bit:
+    -0.0 codes on an H100, never seen on a CPU, which keeps payloads); payload-keeping NaNs
+    (the midpoint's low bits ``10...0``) with a difference of either sign; the quiet NaN.
+    Finite midpoints step by one ulp toward the quotient, with ``q``'s sign."""
+    nan = lambda b: np.array(b, np.uint32).view(np.float32)  # noqa: E731
+    cases = [(0x7FFFFFFF, 0x7FFFFFFF), (0x7FC80000, 0x7FC00000), (0x7FC80000, 0xFFC00000),
+             (0x7FF80000, 0xFFFFFFFF), (0x7FC00000, 0x7FC00000), (0x7FC00000, 0xFFC00000)]
+    m = nan([c[0] for c in cases]).repeat(2)
+    d = nan([c[1] for c in cases]).repeat(2).view(np.int32)
+    q = np.tile(np.float32([np.nan, -np.nan]), len(cases))
+    got = np.asarray(jax.jit(formats._signed_step)(m, q, d))
+    assert np.isnan(got).all(), got.view(np.int32)
+    m = np.float32([1.5, 1.5, 1.5, 0.25, 448.0])
+    q = np.float32([1.4, -1.6, 1.5, -0.3, 440.0])
+    d = np.float32([1e-3, -1e-3, 0.0, 2e-5, -1.0]).view(np.int32)  # m * s - |y|
+    want = np.copysign(np.nextafter(m, np.where(d > 0, 0, np.where(d < 0, np.inf, m))), q)
+    got = np.asarray(jax.jit(formats._signed_step)(m, q, d))
+    assert np.array_equal(got.view(np.int32), want.astype(np.float32).view(np.int32))
+
+
 @pytest.mark.parametrize("fmt", ["fp8_group128", "fp8_group128_ue8m0"])
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
 def test_group_semantics(rng, fmt, impl):
