@@ -154,7 +154,7 @@ def self_check(dtype, *, interpret: bool, device=None) -> tuple:
     # is being traced (the first FP8 kernel of a jitted program decides inside its trace). The
     # transfers are explicit and allowed, whatever the caller's jax.transfer_guard.
     run = jax.jit(lambda v: self_check_codes(v, dtype, interpret=interpret))
-    where = None if device is None else jax.sharding.SingleDeviceSharding(device)
+    where = None if device is None else jax.sharding.make_single_device_sharding(device)
     compiled = run.lower(jax.ShapeDtypeStruct(values.shape, values.dtype, sharding=where)).compile()
     with jax.transfer_guard("allow"):
         with jax.ensure_compile_time_eval():  # the copy happens now, not as a traced step
