@@ -238,6 +238,8 @@ def normalized_blocks_store(x_ref, w_ref, codes_ref, scale_ref, *, in_rows, rows
         y = x.astype(jnp.float32) * inv * w.astype(jnp.float32)[None]
         if g is not None:
             y = y * common.act_fn(g.astype(jnp.float32), activation, ftz)
+        if res is not None and per_byte == 1:  # the new residual was stored from this tile
+            p = dataclasses.replace(p, codes=common.codes_beside(p.codes, res[1].dtype))
         store_blocks(p, y, codes_ref, scale_ref, q)
 
 

@@ -216,6 +216,18 @@ def store(ref, index, value, mask):
     plgpu.store(ref.at[index], value.astype(ref.dtype), mask=mask)
 
 
+def codes_beside(index, dtype):
+    """``index`` for 1-byte codes stored from the same tile as a ``dtype`` store (the residual
+    add's new residual): its last array as ``div(i, n) * n + rem(i, n)``, the same values, in
+    which Triton's alignment analysis sees runs of ``n = 16 / itemsize`` contiguous elements. A
+    store takes the widest vector the data allows (16 bytes: 16 codes, 8 bf16 values a thread);
+    unequal, one of the two stores converts the tile's layout through shared memory. With the
+    runs both take n a thread (docs/residual.md, Decode)."""
+    n = max(1, 16 // jnp.dtype(dtype).itemsize)
+    i = index[-1]
+    return (*index[:-1], jax.lax.div(i, n) * n + jax.lax.rem(i, n))
+
+
 def residual_add(x, r, index, mask, res_out):
     """``x + r`` of two loaded tiles in float32, rounded once to x's dtype (the residual stream's),
     stored to ``res_out`` at ``index``; returns it (the norm's input: the variance is that of the

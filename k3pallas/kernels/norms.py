@@ -114,6 +114,8 @@ def _segments(ids, x_refs, seg_w, seg_o, *, n_rows, rows, segments, quant, ftz, 
             x = x.astype(jnp.float32)
             inv = common.row_inv_rms(x, seg.width, seg.eps, ftz)
             z = x * w.astype(jnp.float32)[None, :]
+            if res is not None:  # the new residual was stored from this tile
+                index = common.codes_beside(index, res[1].dtype)
             row_scaled.epilogue([(index, mask, z, inv[:, None])], seg_o[i], None, n_rows=n_rows,
                                 rows=rows, quant=quant, mode="dynamic", pid=pid,
                                 amax=[row_scaled.normed_amax(z, inv)])
