@@ -251,6 +251,20 @@ def test_nv_xla_compiles_for_a_deviceless_h200():
     assert r["instructions"] > 100 and r["LDG"] >= 2 and r["STG"] >= 1 and r["MUFU.EX2"] >= 1
 
 
+@pytest.mark.slow  # compiles in the nv_xla environment's own process
+@pytest.mark.skipif(not os.path.exists(os.path.join(nv_xla.env_dir(), "env.json")),
+                    reason="no nv_xla environment (python -m bench.inspection.nv_xla --setup)")
+@pytest.mark.parametrize("case", ["add_rmsnorm_fp8_per_token:deepseek-v3-hidden:1",
+                                  "add_rmsnorm_mx:deepseek-v3-hidden-mxfp8:1"])
+def test_residual_add_codes_share_the_residual_layout(monkeypatch, case):
+    """At 8 warps a thread holds 32 elements of the 7168 row: the codes' store and the new
+    residual's take one layout (``common.codes_beside``), so nothing converts through shared
+    memory and the barriers are the reductions' (3; with the codes' own 16-byte layout, 11)."""
+    monkeypatch.setenv("K3PALLAS_NV_XLA_CONFIG", "1,8")
+    (r,) = nv_xla.kernels(case, nv_xla.load_env())
+    assert r["BAR"] <= 3 and r["STS"] <= 2, r
+
+
 def test_beside_qkv_design_labels():
     """``--designs`` of bench.inspection.beside_qkv (the tool itself needs torch and a GPU)."""
     from bench.inspection import beside_qkv
