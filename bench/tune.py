@@ -180,8 +180,11 @@ def write_table(path, target, points, args):
     configs[target.arch] = merge(configs.get(target.arch, {}), table(points, args.up_to))
     data["note"] = ("written by python -m bench.tune --write; rows: [max_tokens, padded row "
                     "elements, rows_per_program, num_warps, num_stages(, split)]")
-    data.setdefault("sources", {})[target.arch] = {"device_kind": target.device_kind,
-                                                   "jax": jax.__version__, "dtype": args.dtype}
+    sources = data.setdefault("sources", {})
+    kinds = [k for k in str(sources.get(target.arch, {}).get("device_kind") or "").split(", ") if k]
+    # Every device whose sweep wrote entries of this arch (a partial sweep keeps the others').
+    sources[target.arch] = {"device_kind": ", ".join(dict.fromkeys(kinds + [target.device_kind])),
+                            "jax": jax.__version__, "dtype": args.dtype}
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
 

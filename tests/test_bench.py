@@ -164,6 +164,26 @@ def test_tune_table_and_merge():
     assert merged["a"] == [[8, 8, 1, 8, 1, 4], [256, 8, 1, 4, 1], [1448, 8, 1, 2, 1]]
 
 
+def test_tune_write_table_names_every_device_of_an_arch(tmp_path, monkeypatch):
+    """A partial sweep on another card of the same arch keeps the entries and the name of the
+    card that wrote the others."""
+    from bench import tune
+
+    shipped = tmp_path / "shipped.json"
+    shipped.write_text(json.dumps({"configs": {"sm_90": {"a": [[9, 8, 1, 4, 1]]}},
+                                   "sources": {"sm_90": {"device_kind": "NVIDIA H200"}}}))
+    monkeypatch.setattr(tune.launch, "TUNED_PATH", str(shipped))
+    args = types.SimpleNamespace(up_to=4, dtype="bfloat16")
+    point = {"op": "a", "row_elems": 8, "tokens": 1, "best": {"rows": 1, "warps": 2}}
+    for _ in range(2):  # written twice: the name once
+        tune.write_table(str(tmp_path / "out.json"),
+                         types.SimpleNamespace(arch="sm_90", device_kind="NVIDIA H100"), [point], args)
+        shipped.write_text((tmp_path / "out.json").read_text())
+    data = json.loads(shipped.read_text())
+    assert data["sources"]["sm_90"]["device_kind"] == "NVIDIA H200, NVIDIA H100"
+    assert data["configs"]["sm_90"]["a"] == [[4, 8, 1, 2, 1], [9, 8, 1, 4, 1]]
+
+
 @pytest.mark.slow
 def test_device_report_end_to_end_without_a_gpu(tmp_path):
     """The GPU owner's one command, here with nothing to install and no GPU: it records what jax
