@@ -260,9 +260,13 @@ def test_nv_xla_parsers():
         nv_xla.target_config(b"nothing here")
 
 
+needs_nv_xla = pytest.mark.skipif(
+    not os.path.exists(os.path.join(nv_xla.env_dir(), "env.json")),
+    reason="no nv_xla environment (python -m bench.inspection.nv_xla --setup)")
+
+
 @pytest.mark.slow  # a compile in the nv_xla environment's own process
-@pytest.mark.skipif(not os.path.exists(os.path.join(nv_xla.env_dir(), "env.json")),
-                    reason="no nv_xla environment (python -m bench.inspection.nv_xla --setup)")
+@needs_nv_xla
 def test_nv_xla_compiles_for_a_deviceless_h200():
     rows = nv_xla.kernels("rmsnorm_gated_fp8_per_token:kimi-linear-kda:256", nv_xla.load_env())
     (r,) = rows
@@ -272,8 +276,7 @@ def test_nv_xla_compiles_for_a_deviceless_h200():
 
 
 @pytest.mark.slow  # compiles in the nv_xla environment's own process
-@pytest.mark.skipif(not os.path.exists(os.path.join(nv_xla.env_dir(), "env.json")),
-                    reason="no nv_xla environment (python -m bench.inspection.nv_xla --setup)")
+@needs_nv_xla
 @pytest.mark.parametrize("case", ["add_rmsnorm_fp8_per_token:deepseek-v3-hidden:1",
                                   "add_rmsnorm_mx:deepseek-v3-hidden-mxfp8:1"])
 def test_residual_add_codes_share_the_residual_layout(monkeypatch, case):
