@@ -123,7 +123,7 @@ def block_codes(y, q: common.Quant, trail: int):
     scales ``[...]``)."""
     fmt = q.fmt
     a = jnp.abs(y)
-    if trail == 2 or y.shape[-1] >= 128:
+    if trail == 2 or fmt.block >= 128:
         # A pair tile, or a block tile of 128 (the group formats), spreads a block over 16 lanes:
         # NaN counted as infinity before ONE max (two operations an element) is cheaper than a
         # second, NaN-carrying reduction's shuffles. Blocks of 32 span 4 lanes: there the select
