@@ -19,7 +19,7 @@ from k3pallas.kernels import common, gated, hooks, launch, norms
 from k3pallas.kernels.launch import LaunchConfig
 
 from support import (ORACLE_TOL, assert_close, check_quantized, f64, gated64, quant_oracle,
-                     rmsnorm64)
+                     rmsnorm64, same_but_ulps)
 
 CPU = platform.target_from_name("cpu")
 E4M3FN = kp.Fp8PerToken(jnp.float8_e4m3fn).resolve(CPU)
@@ -49,31 +49,6 @@ def test_rows_per_program_with_a_partial_block(rng, rows, warps):
     check_quantized(qa, f64(q[:, :992]), "mxfp4 quantize")
 
 
-def _same_but_scale_ulps(a, b, what=""):
-    """Every output bit for bit, except float32 per-token scales within 2**-20 (relative) and
-    FP8 codes one step apart where a row's scales differ. jax 0.12.1's XLA CPU backend compiles
-    the two programs' float32 arithmetic differently (scales up to 3 ulp apart in 20 seeds;
-    0.10.2 - 0.12.0: none)."""
-    leaves_a, leaves_b = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    scales = [(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b)
-              if np.asarray(x).dtype == np.float32]
-    differ = np.zeros(np.asarray(leaves_a[0]).shape[:1], bool)
-    for x, y in scales:
-        np.testing.assert_allclose(x, y, rtol=2.0 ** -20, atol=0, err_msg=what)
-        differ |= (x.reshape(len(x), -1) != y.reshape(len(y), -1)).any(axis=1)
-    for x, y in zip(leaves_a, leaves_b):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.shape == y.shape, what
-        if x.dtype == np.float32:
-            continue
-        bx, by = x.view(np.uint8).astype(int), y.view(np.uint8).astype(int)
-        if x.dtype.itemsize == 1 and x.dtype != np.uint8:  # FP8 codes: one step where scales moved
-            assert np.array_equal(bx[~differ], by[~differ]), what
-            assert np.abs(bx[differ] - by[differ]).max(initial=0) <= 1, what
-        else:
-            assert np.array_equal(bx, by), what
-
-
 # Each op at one rows-per-program value in the fast tier, at the other in the slow one.
 @pytest.mark.parametrize("name,rows", [
     (name, rows) if (i + rows) % 2 else pytest.param(name, rows, marks=pytest.mark.slow)
@@ -81,15 +56,15 @@ def _same_but_scale_ulps(a, b, what=""):
                               "mla_q_kv_norm", "mla_q_kv_norm_mx"]) for rows in (1, 4)])
 def test_two_programs_per_row_block(rng, name, rows):
     """split = 2 for the joint norms: q on one program of a row block, kv (and the rope
-    columns) on another, in the same launch; the same results as one program: bit for bit but
-    for float32 rounding of the per-token scales (``_same_but_scale_ulps``)."""
+    columns) on another, in the same launch; the same results as one program, bit for bit but
+    for float32 rounding (``support.same_but_ulps``)."""
     spec = bench_cases.OPS[name]
     structs, options = spec.example(5, jnp.dtype(jnp.bfloat16), **spec.sizes["test"])
     args = [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in structs]
     whole = spec.fn(*args, impl="interpret", **options)
     with hooks.forced(LaunchConfig(rows, 4, 1, 2)), testing.poisoned_outputs():
         split = spec.fn(*args, impl="interpret", **options)
-    _same_but_scale_ulps(whole, split, name)
+    same_but_ulps(whole, split, name)
     with hooks.forced(LaunchConfig(rows, 4, 1, 4)):
         with pytest.raises(ValueError, match="cannot do for this row shape"):
             spec.fn(*args, impl="interpret", **options)
@@ -260,14 +235,14 @@ def test_scale_only_and_given_scale_launches(rng, form):
 def _first_rows(fn, ns, n_first=1):
     """``fn(T)``'s first rows at each T of ``ns``, the same (interpret mode: fixed rows per
     program, so the same sums whatever T; sharding changes the local T): bit for bit but for
-    float32 per-token scales, which XLA's CPU optimizer may round apart in the programs of two
-    token counts on jax 0.12.1 (``_same_but_scale_ulps``; seen at T = 1 and 33)."""
+    float32 rounding, which XLA's CPU optimizer may do apart in the programs of two token
+    counts on jax 0.12.1 (``support.same_but_ulps``; seen at T = 1 and 33)."""
     def first(out):
         return [np.asarray(a)[:n_first] for a in jax.tree_util.tree_leaves(out)]
 
     base = first(fn(ns[0]))
     for t in ns[1:]:
-        _same_but_scale_ulps(base, first(fn(t)), f"T={t} changes the first rows")
+        same_but_ulps(base, first(fn(t)), f"T={t} changes the first rows")
 
 
 @pytest.mark.parametrize("fmt", [None, "fp8_per_token", "mxfp4"])

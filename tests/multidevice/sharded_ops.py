@@ -21,6 +21,7 @@ import k3pallas as kp
 from k3pallas.models import kimi_k3
 
 from bench.inspection.hlo import compiled_text
+from support import same_but_ulps
 
 IMPLS = ["interpret", "reference"]
 TP = 4
@@ -41,32 +42,22 @@ def rand(key, shape, dtype=jnp.bfloat16, scale=1.0):
 
 
 def same(a, b, what="", exact=True):
-    """Equal leaves. ``exact=False`` (the jnp reference, which XLA compiles differently for the
-    sharded shapes): floats within 2e-6 relative, fp8 codes equal but for one step on < 0.1 %.
-    ``exact``: bit for bit, but float32 scales within 2**-20 relative, and then fp8 codes as
-    above: jax 0.12.1's XLA CPU backend compiles the interpret-mode kernels' float32 arithmetic
-    differently for the sharded shapes (per-token scales 1-3 ulp apart; 0.10.2 - 0.12.0: none)."""
-    leaves = [(np.asarray(x), np.asarray(y)) for x, y in
-              zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))]
-    scales_moved = False
-    for x, y in leaves:
-        if exact and x.dtype == np.float32 and x.shape == y.shape and not np.array_equal(
-                x, y, equal_nan=True):
-            np.testing.assert_allclose(x, y, rtol=2.0 ** -20, atol=0, err_msg=what)
-            scales_moved = True
-    for x, y in leaves:
+    """Equal leaves. ``exact``: ``support.same_but_ulps`` (bit for bit but float32 rounding: jax
+    0.12.1's XLA CPU backend compiles the interpret-mode kernels' float32 arithmetic differently
+    for the sharded shapes). ``exact=False`` (the jnp reference, which XLA compiles differently for
+    the sharded shapes): floats within 2e-6 relative, fp8 codes equal but for one step on < 0.1 %."""
+    if exact:
+        same_but_ulps(a, b, what)
+        return
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
         assert x.shape == y.shape, (what, x.shape, y.shape)
         if x.dtype.itemsize == 1:  # fp8: compare the codes
             diff = x.view(np.uint8) != y.view(np.uint8)
-            if (exact and not scales_moved) or not diff.any():
-                assert not diff.any(), f"{what}: {diff.sum()} codes differ"
+            if not diff.any():
                 continue
             xf, yf = x.astype(np.float64)[diff], y.astype(np.float64)[diff]
             assert diff.mean() < 1e-3 and np.all(np.abs(xf - yf) <= 0.125 * np.abs(yf)), what
-        elif exact and x.dtype == np.float32:
-            continue  # compared above
-        elif exact:
-            assert np.array_equal(x, y, equal_nan=True), f"{what}: values differ"
         else:
             np.testing.assert_allclose(x, y, rtol=2e-6, err_msg=what)
 
