@@ -1,12 +1,13 @@
 """The consumer of the quantized activations: weight quantization and one linear for every format.
 
-No Pallas here. Per-token FP8: ``jax.lax.dot_general`` on the fp8 operands with
+Per-token and group FP8: the scaled FP8 GEMM in Pallas (``kernels.gemm``, one launch, the scales
+applied inside) on a GPU, or an XLA lowering by name. Per-token through XLA
+(``impl="dot_general"``): ``jax.lax.dot_general`` on the fp8 operands with
 ``preferred_element_type=float32``, which XLA's GPU compiler rewrites into a vendor FP8 GEMM
 (``__cublas$lt$matmul$f8``: cuBLASLt on NVIDIA sm_89+, hipBLASLt on AMD MI300 and later; see
 docs/formats.md for when it does and what it does otherwise); those GEMMs take only scalar
-scales, so the per-token and per-channel scales multiply the float32 result afterwards, in one
-XLA elementwise fusion. MX: ``jax.nn.scaled_matmul`` on a GPU (on gfx950 XLA's Triton
-``scaled-dot`` on the MX matrix cores).
+scales, so the per-token and per-channel scales multiply the float32 result afterwards. MX:
+``jax.nn.scaled_matmul`` on a GPU (on gfx950 XLA's Triton ``scaled-dot`` on the MX matrix cores).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from k3pallas import formats, ops, platform
 from k3pallas._checks import FLOAT_DTYPES
 from k3pallas.formats import QuantizedActivation, QuantizedWeight
 
-__all__ = ["quantize_weight", "weight_from_checkpoint", "linear", "GROUP_IMPLS"]
+__all__ = ["quantize_weight", "weight_from_checkpoint", "linear", "GROUP_IMPLS",
+           "PER_TOKEN_IMPLS", "PALLAS_IMPLS"]
 
 # The lowerings of a group-FP8 linear through XLA (``linear(impl=...)``). "auto" takes
 # "per_group" up to this many rows, "dequantize" beyond: on the H200 per_group was the faster at
@@ -31,6 +33,13 @@ __all__ = ["quantize_weight", "weight_from_checkpoint", "linear", "GROUP_IMPLS"]
 # partial result grows with T; dequantize's bf16 weight does not.
 GROUP_IMPLS = ("dequantize", "per_group", "scaled_dot")
 PER_GROUP_MAX_ROWS = 64
+# The per-token FP8 linear through XLA's vendor FP8 GEMM.
+PER_TOKEN_IMPLS = ("dot_general",)
+# The scaled FP8 GEMM in Pallas (per-token and group FP8): compiled, or in interpret mode.
+PALLAS_IMPLS = ("pallas", "interpret")
+# "auto" on a GPU: the Pallas GEMM for group FP8 at every row count; for per-token FP8 up to
+# this many rows, XLA's cuBLASLt / hipBLASLt GEMM beyond (docs/formats.md, Consumers).
+PALLAS_PER_TOKEN_MAX_ROWS = 1 << 62
 
 
 def quantize_weight(w, out_format, *, layout="nk") -> QuantizedWeight:
@@ -153,20 +162,25 @@ def linear(qa: QuantizedActivation, qw: QuantizedWeight, *, out_dtype=jnp.bfloat
       qw: the ``QuantizedWeight`` of ``quantize_weight`` for the same format (the same element
         dtype; its layout travels with it), standing for ``w [K, N]``.
       out_dtype: float16, bfloat16 (default) or float32.
-      precision: per-token and group FP8 (ValueError with an MX format): passed to
-        ``dot_general`` (XLA maps it onto the FP8 GEMM's accumulation mode);
-        ``impl="reference"`` computes at ``Precision.HIGHEST`` whatever is given.
-      impl: "auto": the vendor path (per-token FP8: ``dot_general`` on the fp8 operands; MX:
-        ``jax.nn.scaled_matmul`` on a GPU target, the reference elsewhere: it has no CPU
-        lowering; group FP8: "per_group" up to ``PER_GROUP_MAX_ROWS`` rows, else
-        "dequantize"); "reference": the dequantized operands' float32 dot
-        (``Precision.HIGHEST``); group FP8 also "dequantize", "per_group", "scaled_dot"
-        (``GROUP_IMPLS``: the XLA lowerings, see ``_fp8_group``).
+      precision: for the XLA lowerings of per-token and group FP8 (passed to ``dot_general``,
+        which XLA maps onto the FP8 GEMM's accumulation mode); None for the Pallas GEMM (it
+        accumulates in float32) and MX (ValueError otherwise); ``impl="reference"`` computes
+        at ``Precision.HIGHEST`` whatever is given.
+      impl: "auto": on a GPU the Pallas GEMM for group FP8, and for per-token FP8 up to
+        ``PALLAS_PER_TOKEN_MAX_ROWS`` rows ("dot_general" beyond); MX ``jax.nn.scaled_matmul``;
+        elsewhere the XLA lowerings ("dot_general"; group FP8 "per_group" up to
+        ``PER_GROUP_MAX_ROWS`` rows, else "dequantize"; MX the reference: it has no CPU
+        lowering). "pallas" (a GPU target, RuntimeError otherwise) / "interpret": the Pallas
+        GEMM (per-token and group FP8); "reference": the dequantized operands' float32 dot
+        (``Precision.HIGHEST``); the XLA lowerings by name: per-token "dot_general"
+        (``PER_TOKEN_IMPLS``), group "dequantize", "per_group", "scaled_dot" (``GROUP_IMPLS``,
+        see ``_fp8_group``).
 
     Returns: ``[..., N]`` in ``out_dtype``. Per-token FP8 with ``G`` scale groups:
-    ``sum_g (data_g @ w_g)_f32 * scale[..., g] * w_scale``, one batched matmul over the groups.
-    Group FP8 (activation and weight of the group formats, either rounding of the scales):
-    ``sum_g (data_g @ w_g) * scale[..., g] * w_scale[n // 128, g]`` over the K groups of 128.
+    ``sum_g (data_g @ w_g)_f32 * scale[..., g] * w_scale``. Group FP8 (activation and weight of
+    the group formats, either rounding of the scales): ``sum_g (data_g @ w_g) * scale[..., g] *
+    w_scale[n // 128, g]`` over the K groups of 128. A NaN scale or code poisons its own rows
+    (and a weight's, its own columns), nothing else.
     """
     op = "linear"
     if not isinstance(qa, QuantizedActivation):
@@ -183,35 +197,85 @@ def linear(qa: QuantizedActivation, qw: QuantizedWeight, *, out_dtype=jnp.bfloat
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"{op}: out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-    group = isinstance(qa.format, formats.Fp8Group)
-    impls = ("auto", "reference") + (GROUP_IMPLS if group else ())
+    fmt = qa.format
+    group = isinstance(fmt, formats.Fp8Group)
+    mx = isinstance(fmt, formats.Mx)
+    impls = ("auto", "reference") + ((("scaled_matmul",)) if mx else PALLAS_IMPLS
+                                     + (GROUP_IMPLS if group else PER_TOKEN_IMPLS))
     if impl not in impls:
-        raise ValueError(f"{op}: impl must be one of {impls} for {qa.format.name}, got {impl!r}")
-    if precision is not None and isinstance(qa.format, formats.Mx):
-        raise ValueError(f"{op}: precision applies to per-token FP8 (dot_general); "
-                         f"jax.nn.scaled_matmul takes none for {qa.format.name}")
+        raise ValueError(f"{op}: impl must be one of {impls} for {fmt.name}, got {impl!r}")
+    if precision is not None and (mx or impl in PALLAS_IMPLS):
+        raise ValueError(f"{op}: precision applies to the XLA lowerings of the FP8 formats "
+                         f"(dot_general); impl={impl!r} with {fmt.name} takes none")
     lead = data.shape[:-1]
-    if group and impl != "reference":
-        rows = math.prod(lead)
-        if impl == "auto":
-            impl = "per_group" if rows <= PER_GROUP_MAX_ROWS else "dequantize"
-        out = _fp8_group(data.reshape(-1, k), scale.reshape(-1, k // qa.format.block), qw, impl,
-                         precision)
-    elif impl == "reference":
+    rows = math.prod(lead)
+    target = platform.current_target(data)
+    if impl == "auto":
+        impl = _auto(fmt, rows, target, precision)
+    if impl == "pallas" and not target.is_gpu:
+        raise RuntimeError(
+            f"{op}: impl='pallas' needs a GPU target (cuda or rocm); the target here is "
+            f"{target.backend!r}. Use impl='interpret' to run the kernel on the CPU, or "
+            "impl='reference' / 'auto'.")
+    if impl in PALLAS_IMPLS:
+        return _pallas(qa, qw, out_dtype, impl == "interpret", target)
+    if impl == "reference":
         a = qa.dequantize().reshape(-1, k)
         out = jnp.dot(a, qw.dequantize(), precision=lax.Precision.HIGHEST,
                       preferred_element_type=jnp.float32)
-    elif qa.format.block is None:
+    elif group:
+        out = _fp8_group(data.reshape(-1, k), scale.reshape(-1, k // fmt.block), qw, impl,
+                         precision)
+    elif not mx:
         out = _fp8_per_token(data, scale, qw, k, n, precision)
-    elif platform.current_target(data).is_gpu:
+    else:
         w_data, w_scale = (qw.data, qw.scale) if qw.layout == "nk" else (qw.data.T, qw.scale.T)
-        blocks = k // qa.format.block
+        blocks = k // fmt.block
         out = jax.nn.scaled_matmul(data.reshape(1, -1, k), w_data[None],
                                    scale.reshape(1, -1, blocks), w_scale[None],
                                    preferred_element_type=jnp.float32)
-    else:  # jax.nn.scaled_matmul has no CPU lowering: the same sums, dequantized
-        return linear(qa, qw, out_dtype=out_dtype, impl="reference")
     return out.reshape(lead + (n,)).astype(out_dtype)
+
+
+def _auto(fmt, rows: int, target, precision) -> str:
+    """The implementation "auto" runs (``linear``'s docstring)."""
+    if isinstance(fmt, formats.Mx):
+        return "scaled_matmul" if target.is_gpu else "reference"
+    group = isinstance(fmt, formats.Fp8Group)
+    if target.is_gpu and precision is None and (group or rows <= PALLAS_PER_TOKEN_MAX_ROWS):
+        return "pallas"
+    if group:
+        return "per_group" if rows <= PER_GROUP_MAX_ROWS else "dequantize"
+    return "dot_general"
+
+
+def _pallas(qa, qw, out_dtype, interpret: bool, target):
+    """The Pallas GEMM (``kernels.gemm``) on ``qa`` and ``qw`` as stored: one launch."""
+    from k3pallas.kernels import gemm, launch
+
+    fmt = qa.format
+    k, n = qw.shape
+    lead = qa.data.shape[:-1]
+    m = math.prod(lead)
+    if m == 0:
+        return jnp.zeros(lead + (n,), out_dtype)
+    a = qa.data.reshape(m, k)
+    a_scale = qa.scale.reshape(m, qa.scale.shape[-1])
+    group = isinstance(fmt, formats.Fp8Group)
+    w_scale = qw.scale
+    if group:
+        kind = "block"
+    elif w_scale.ndim == 0:
+        kind, w_scale = "tensor", w_scale.reshape(1)
+    else:
+        kind = "channel"
+    cfg = launch.gemm_config(f"linear_{fmt.name}", m, n, k, target=target,
+                             w_block=gemm.W_BLOCK if group else None)
+    run = functools.partial(gemm.scaled_matmul, out_dtype=out_dtype, kn=qw.layout == "kn",
+                            w_scale_kind=kind, cfg=cfg, name=f"k3pallas_linear_{fmt.name}",
+                            interpret=interpret)
+    out = ops.inference_only("linear", run, a, a_scale, qw.data, w_scale)
+    return out.reshape(lead + (n,))
 
 
 def _fp8_per_token(data, scale, qw, k, n, precision):

@@ -153,7 +153,7 @@ def test_linear_errors(rng):
         (lambda: kp.linear((f8.data, f8.scale), wf8), TypeError, "qa must be a QuantizedActivation"),
         (lambda: kp.linear(f8, (wf8.data, wf8.scale)), TypeError, "qw must be a QuantizedWeight"),
         (lambda: kp.linear(q4, w4, precision=jax.lax.Precision.HIGHEST), ValueError,
-         "precision applies to per-token FP8"),
+         "precision applies to the XLA lowerings"),
     ]
     for call, err, match in bad:
         with pytest.raises(err, match=f"linear: {match}"):

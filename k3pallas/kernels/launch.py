@@ -24,7 +24,8 @@ from k3pallas.kernels import hooks
 from k3pallas.platform import Target
 
 __all__ = ["LaunchConfig", "launch_config", "heuristic_config", "tuned_table", "Launch",
-           "TUNED_PATH"]
+           "TUNED_PATH", "GemmConfig", "gemm_config", "gemm_heuristic", "gemm_tuned_table",
+           "GemmLaunch", "GEMM_DECODE_ROWS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,3 +159,112 @@ def _choose(op, n_rows, row_elems, max_tile_row_elems, target, splits) -> Launch
             rows = min(rows, _pow2_ceil(max(1, n_rows)))
             return LaunchConfig(rows, warps, stages, split), "tuned"
     return heuristic_config(op, n_rows, row_elems, max_tile_row_elems, target), "heuristic"
+
+
+# ------------------------------------------------------------------------------------------------
+# The scaled FP8 GEMM (``kernels.gemm``)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """One launch of the GEMM: a program per ``[block_m, block_n]`` output tile, K in steps of
+    ``block_k`` pipelined ``num_stages`` deep; ``swap``: the tile computed transposed (the
+    weight's rows as the matrix cores' M: few tokens)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    swap: bool = False
+
+    def __post_init__(self):
+        for name, low in (("block_m", 16), ("block_n", 16), ("block_k", 32), ("num_warps", 1)):
+            value = getattr(self, name)
+            if value < low or value & (value - 1):
+                raise ValueError(f"GemmConfig.{name} must be a power of two >= {low}, got {value}")
+        if self.num_stages < 1:
+            raise ValueError(f"GemmConfig.num_stages must be >= 1, got {self.num_stages}")
+
+    def as_entry(self) -> list:
+        return [self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages,
+                int(self.swap)]
+
+
+# Rows up to which the GEMM runs its decode form: tokens padded in registers to 16 (the least
+# the matrix cores take), the tile computed transposed, narrow column blocks so that every core
+# streams a part of the weight (a decode GEMM reads its weight once: its floor is the weight's
+# bytes over the memory bandwidth).
+GEMM_DECODE_ROWS = 16
+_GEMM_PROGRAMS_PER_CORE = 2
+
+
+def gemm_heuristic(m: int, n: int, k: int, target: Target, *, w_block: int | None) -> GemmConfig:
+    """The default GEMM config: a pure function of the problem and the target. ``w_block``: the
+    weight's scale blocks along N (128), which a program's columns may not cross; None for
+    per-channel or per-tensor weight scales."""
+    amd = target.backend == "rocm"
+    if not target.is_gpu:  # interpret mode: large tiles, few programs
+        return GemmConfig(16 if m <= 16 else 32, 64, 128, 4, 1)
+    cap_n = w_block or 256
+    if m <= GEMM_DECODE_ROWS:
+        bn = min(cap_n, 128)
+        while bn > 16 and -(-n // bn) < _GEMM_PROGRAMS_PER_CORE * target.num_cores:
+            bn //= 2
+        return GemmConfig(16, max(bn, 64) if amd else max(bn, 16), 128, 4, 2 if amd else 4,
+                          swap=not amd and bn >= 64)
+    if m <= 128:
+        bm = 16 if m <= 32 else 64
+        bn = min(cap_n, 64)
+        return GemmConfig(bm, bn, 128, 4, 2 if amd else 4)
+    return GemmConfig(128, min(cap_n, 128), 64 if amd else 128, 8, 2 if amd else 3)
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_tuned_table() -> dict:
+    """The GEMM sweep's choices: {arch: {key: [[max_rows, n, k, bm, bn, bk, warps, stages,
+    swap], ...]}}, looked up by (arch, key, exact n and k) and the smallest ``max_rows`` bucket
+    that holds the row count."""
+    try:
+        with open(TUNED_PATH) as f:
+            table = json.load(f).get("gemm_configs", {})
+    except FileNotFoundError:
+        return {}
+    for ops in table.values():
+        for entries in ops.values():
+            entries.sort(key=lambda e: (e[1], e[2], e[0]))
+    return table
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmLaunch:
+    """One GEMM launch as ``recording()`` sees it."""
+
+    op: str
+    m: int
+    n: int
+    k: int
+    config: GemmConfig
+
+
+def gemm_config(key: str, m: int, n: int, k: int, *, target: Target,
+                w_block: int | None) -> GemmConfig:
+    """The GEMM config for launch key ``key`` (``linear_<format>``) on ``target``: forced (a
+    ``GemmConfig`` given to ``hooks.forced``), tuned, or ``gemm_heuristic``."""
+    config = hooks.forced_config()
+    if not isinstance(config, GemmConfig):
+        config = None
+        for max_rows, en, ek, bm, bn, bk, warps, stages, swap in (
+                gemm_tuned_table().get(target.arch, {}).get(key, [])):
+            if en == n and ek == k and m <= max_rows:
+                config = GemmConfig(bm, bn, bk, warps, stages, bool(swap))
+                break
+        if config is None:
+            config = gemm_heuristic(m, n, k, target, w_block=w_block)
+    threads = config.num_warps * target.warp_size
+    if threads > target.max_threads:
+        raise ValueError(f"{key}: the launch config {config} has {threads} threads per program on "
+                         f"{target.arch}; the limit is {target.max_threads}")
+    hooks.record(GemmLaunch(key, m, n, k, config))
+    return config
