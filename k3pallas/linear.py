@@ -250,31 +250,47 @@ def _auto(fmt, rows: int, target, precision) -> str:
 
 
 def _pallas(qa, qw, out_dtype, interpret: bool, target):
-    """The Pallas GEMM (``kernels.gemm``) on ``qa`` and ``qw`` as stored: one launch."""
-    from k3pallas.kernels import gemm, launch
+    """The Pallas GEMM (``kernels.gemm``) on ``qa`` and ``qw`` as stored: one launch per device,
+    partitioned by ``sharding.linear_partitioned`` (tokens and the weight's columns; K refused)."""
+    from k3pallas import _compat, sharding
+    from k3pallas.kernels import hooks
 
     fmt = qa.format
     k, n = qw.shape
     lead = qa.data.shape[:-1]
-    m = math.prod(lead)
-    if m == 0:
+    if math.prod(lead) == 0:
         return jnp.zeros(lead + (n,), out_dtype)
-    a = qa.data.reshape(m, k)
-    a_scale = qa.scale.reshape(m, qa.scale.shape[-1])
-    group = isinstance(fmt, formats.Fp8Group)
+    kn = qw.layout == "kn"
+    for a, axis in ((qa.data, -1), (qw.data, 0 if kn else 1)):  # eager calls: sharding known
+        spec = _compat.known_spec(a)
+        if spec is not None and spec[axis] is not None:
+            raise sharding.k_split_error(spec[axis])
     w_scale = qw.scale
-    if group:
+    if isinstance(fmt, formats.Fp8Group):
         kind = "block"
     elif w_scale.ndim == 0:
         kind, w_scale = "tensor", w_scale.reshape(1)
     else:
         kind = "channel"
-    cfg = launch.gemm_config(f"linear_{fmt.name}", m, n, k, target=target,
-                             w_block=gemm.W_BLOCK if group else None)
-    run = functools.partial(gemm.scaled_matmul, out_dtype=out_dtype, kn=qw.layout == "kn",
-                            w_scale_kind=kind, cfg=cfg, name=f"k3pallas_linear_{fmt.name}",
-                            interpret=interpret)
-    out = ops.inference_only("linear", run, a, a_scale, qw.data, w_scale)
+    run = sharding.linear_partitioned(
+        _local_gemm, kn=kn, w_kind=kind, n=n, cache_key=hooks.trace_key(), out_dtype=out_dtype,
+        key=f"linear_{fmt.name}", interpret=interpret, target=target)
+    return ops.inference_only("linear", run, qa.data, qa.scale, qw.data, w_scale)
+
+
+def _local_gemm(a, a_scale, w, w_scale, *, out_dtype, key, interpret, target, w_kind, kn):
+    """The GEMM on one device's operands: ``a [..., K]`` as ``[M, K]``, one launch, its config
+    for these (local) shapes."""
+    from k3pallas.kernels import gemm, launch
+
+    lead, k = a.shape[:-1], a.shape[-1]
+    m = math.prod(lead)
+    n = w.shape[1] if kn else w.shape[0]
+    cfg = launch.gemm_config(key, m, n, k, target=target,
+                             w_block=gemm.W_BLOCK if w_kind == "block" else None)
+    out = gemm.scaled_matmul(a.reshape(m, k), a_scale.reshape(m, a_scale.shape[-1]), w, w_scale,
+                             out_dtype=out_dtype, kn=kn, w_scale_kind=w_kind, cfg=cfg,
+                             name=f"k3pallas_{key}", interpret=interpret)
     return out.reshape(lead + (n,))
 
 

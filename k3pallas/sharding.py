@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["Rule", "partitioned", "max_over", "fp8_over_shards", "check_call_shardings"]
+__all__ = ["Rule", "partitioned", "max_over", "fp8_over_shards", "check_call_shardings",
+           "linear_partitioned", "k_split_error"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,3 +261,86 @@ def fp8_over_shards(launch, reduce_axes):
     scale = max_over(scale, reduce_axes)
     codes, _ = launch(mode="given_scale", scale=scale)
     return codes, scale
+
+
+# ------------------------------------------------------------------------------------------------
+# The scaled FP8 GEMM (``linear``)
+# ------------------------------------------------------------------------------------------------
+
+
+def k_split_error(axes) -> ValueError:
+    return ValueError(
+        f"linear: K (the contracted axis of the activation or the weight) is sharded over mesh "
+        f"axes {axes!r}. A row-parallel linear needs a sum across devices, which the kernel does "
+        "not do: run it in shard_map on each device's K shard and jax.lax.psum the outputs, or "
+        "replicate K. Shard the tokens (leading axes) or the weight's output columns (N).")
+
+
+def _linear_plan(mesh, arg_shapes, *, kn: bool, w_kind: str, strict: bool):
+    """(arg shardings, result sharding) of the GEMM for the operands' current shardings: the
+    tokens as the activation has them, N as the weight has it (in whole 128-blocks for block
+    scales), K never (ValueError when ``strict``)."""
+    a, _, w, _ = arg_shapes
+    lead = a.ndim - 1
+    a_spec, w_spec = _spec_of(a.sharding, a.ndim), _spec_of(w.sharding, 2)
+    k_axes = [s for s in (a_spec[-1], w_spec[0] if kn else w_spec[1]) if s is not None]
+    if strict and k_axes:
+        raise k_split_error(k_axes[0])
+    n_axes = w_spec[1] if kn else w_spec[0]
+    n = w.shape[1 if kn else 0]
+    if n_axes is not None:
+        sizes = dict(mesh.shape)
+        shards = math.prod(sizes[ax] for ax in (n_axes if isinstance(n_axes, tuple) else (n_axes,)))
+        unit = 128 if w_kind == "block" else 1
+        if n % shards or (n // shards) % unit:
+            if strict:
+                if unit > 1:
+                    raise block_split_error("linear", "N, the weight's output columns", n_axes,
+                                            shards, n, unit)
+                raise ValueError(f"linear: N, the weight's output columns ({n}), cannot be split "
+                                 f"evenly over mesh axes {n_axes!r} ({shards} shards)")
+            n_axes = None
+    rows = tuple(a_spec[:lead])
+    ns = NamedSharding
+    w_sharding = PartitionSpec(None, n_axes) if kn else PartitionSpec(n_axes, None)
+    scale = {"block": w_sharding, "channel": PartitionSpec(n_axes), "tensor": PartitionSpec(None)}
+    args = (ns(mesh, PartitionSpec(*rows, None)), ns(mesh, PartitionSpec(*rows, None)),
+            ns(mesh, w_sharding), ns(mesh, scale[w_kind]))
+    return args, ns(mesh, PartitionSpec(*rows, n_axes))
+
+
+@functools.lru_cache(maxsize=None)
+def _build_linear(local, kn: bool, w_kind: str, n: int, statics: tuple, cache_key):
+    del cache_key
+    kwargs = dict(statics)
+
+    kwargs.update(kn=kn, w_kind=w_kind)
+
+    @custom_partitioning
+    def fn(*arrays):
+        return local(*arrays, **kwargs)
+
+    def partition(mesh, arg_shapes, result_shape):
+        args, result = _linear_plan(mesh, arg_shapes, kn=kn, w_kind=w_kind, strict=True)
+        return mesh, functools.partial(local, **kwargs), result, args
+
+    def infer(mesh, arg_shapes, result_shape):
+        return _linear_plan(mesh, arg_shapes, kn=kn, w_kind=w_kind, strict=False)[1]
+
+    w = "k n" if kn else "n k"
+    scale = {"block": "g b" if kn else "b g", "channel": "n", "tensor": "t"}[w_kind]
+    spec = f"... k, ... g, {w}, {scale} -> ... n"
+    extra = {}
+    if w_kind == "block" and n % 128 == 0:  # N as (blocks, 128): shards of whole blocks only
+        spec = spec.replace("n", "(b e)")
+        extra = dict(e=128, need_replication_factors=("e",))
+    fn.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=spec, **extra)
+    return _batched_as_rows(fn, Rule(spec))
+
+
+def linear_partitioned(local, *, kn: bool, w_kind: str, n: int, cache_key=(), **statics):
+    """``local(a [..., K], a_scale [..., G], w, w_scale, kn=, w_kind=, **statics)`` (the GEMM on one device's
+    operands) as a function XLA partitions: each device computes its tokens' rows of its shard
+    of the weight's output columns, nothing gathered; K may not be sharded (``k_split_error``).
+    ``w_kind``: "block" (scales per 128 x 128: N split in whole blocks), "channel" or "tensor"."""
+    return _build_linear(local, kn, w_kind, n, tuple(sorted(statics.items())), cache_key)

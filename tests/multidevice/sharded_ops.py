@@ -356,3 +356,48 @@ def test_mx_column_sharding_eager_and_jit_agree(mesh, op):
         if n == 96:
             with pytest.raises(jax.errors.JaxRuntimeError, match=r"a shard must hold whole blocks"):
                 jax.jit(call)(xs)
+
+
+@pytest.mark.parametrize("fmt,layout", [("fp8_group128", "nk"), ("fp8_group128_ue8m0", "kn"),
+                                        ("fp8_per_token", "nk"), ("fp8_per_token", "kn")])
+def test_pallas_linear_sharded(mesh, fmt, layout):
+    """The Pallas GEMM (interpret mode) under jax.jit: tokens over all devices (weight
+    replicated), the weight's output columns over tp in whole 128-blocks (column parallel, the
+    block scales sharded alike), both at once; each equal to the unsharded call bit for bit, no
+    all-gather, no all-reduce. K sharded (row parallel) is refused: eagerly with the library's
+    message, under jit with jax's error carrying it."""
+    k, n = 256, 4 * 128
+    x = rand(50, (32, k), scale=3).at[3, 7].set(jnp.nan)
+    w = rand(51, (k, n), jnp.float32, scale=0.1)
+    qa = kp.quantize(x, fmt, impl="reference")
+    qw = kp.quantize_weight(w, fmt, layout=layout)
+    fn = lambda qa, qw: kp.linear(qa, qw, impl="interpret")  # noqa: E731
+    want = jax.jit(fn)(qa, qw)
+    n_axis = 1 if layout == "kn" else 0
+    col = lambda a, axis: put(mesh, a, *[("tp" if i == axis else None) for i in range(a.ndim)])  # noqa: E731
+    rows = lambda r: kp.QuantizedActivation(put(mesh, r.data, TOKENS[0], None),  # noqa: E731
+                                            put(mesh, r.scale, TOKENS[0], None), r.format)
+    cols = kp.QuantizedWeight(col(qw.data, n_axis),
+                              col(qw.scale, n_axis) if qw.scale.ndim == 2 else col(qw.scale, 0),
+                              qw.format, qw.layout)
+    dp_rows = kp.QuantizedActivation(put(mesh, qa.data, "dp", None), put(mesh, qa.scale, "dp", None),
+                                     qa.format)
+    for what, a, b, spec in (("tokens", rows(qa), qw, P(TOKENS[0], None)),
+                             ("columns", qa, cols, P(None, "tp")),
+                             ("tokens and columns", dp_rows, cols, P("dp", "tp"))):
+        got = jax.jit(fn)(a, b)
+        same(got, want, f"{fmt} {layout} {what}")
+        got_spec = tuple(got.sharding.spec) + (None,) * (2 - len(got.sharding.spec))
+        assert got_spec == tuple(spec), (what, got.sharding.spec)
+        text = compiled_text(fn, a, b)
+        assert "all-gather" not in text and "all-reduce" not in text, what
+    k_sharded = kp.QuantizedActivation(put(mesh, qa.data, None, "tp"), qa.scale, qa.format)
+    with pytest.raises(ValueError, match="linear: K .* is sharded over mesh axes 'tp'.*psum"):
+        fn(k_sharded, qw)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="linear: K .* is sharded.*psum"):
+        jax.jit(fn)(k_sharded, qw)
+    if fmt != "fp8_per_token":  # 64 columns per device: half a 128-block
+        eight = (None, ("dp", "tp")) if layout == "kn" else (("dp", "tp"), None)
+        half = kp.QuantizedWeight(put(mesh, qw.data, *eight), qw.scale, qw.format, qw.layout)
+        with pytest.raises(jax.errors.JaxRuntimeError, match="a shard must hold whole blocks"):
+            jax.jit(fn)(qa, half)
