@@ -277,10 +277,23 @@ KDA_OUTPUT = {name: dict(_KDA[name], eps=1e-5, hidden=7168) for name in ("kimi-k
 # projections 7168 -> 2 x 2304).
 GROUP_LINEAR = {"kimi-k3-kda-tp8": dict(KDA_OUTPUT["kimi-k3-kda-tp8"]),
                 "deepseek-v3-mlp-tp8": dict(k=7168, n=2 * 2304)}
+# The scaled FP8 GEMM alone (``linear`` on pre-quantized operands, bench.ops.make_case,
+# ``linear``), per format: the Kimi-K3 TP8 o_proj (1536 -> 7168), the DeepSeek-V3 MLP gate and up
+# projections at TP8 (7168 -> 2 x 2304) and its attention o_proj at TP8 (128 heads x 128 / 8 =
+# 2048 -> 7168).
+LINEAR_SHAPES = {"kimi-k3-oproj-tp8": dict(k=1536, n=7168), "deepseek-v3-mlp-tp8": dict(k=7168, n=4608),
+                 "deepseek-v3-oproj-tp8": dict(k=2048, n=7168)}
+LINEAR_FORMATS = ("fp8_group128", "fp8_group128_ue8m0", "fp8_per_token")
+LINEAR = {f"{name}-{fmt}": dict(size, fmt=fmt) for fmt in LINEAR_FORMATS
+          for name, size in LINEAR_SHAPES.items()}
+# What a CPU run of ``linear`` measures (interpret mode at the model sizes takes seconds a call):
+# a partial last block of N, several K groups.
+LINEAR_TEST = {f"test-{fmt}": dict(k=384, n=200, fmt=fmt) for fmt in LINEAR_FORMATS}
 OP_CONFIGS = {**{name: case.configs for name, case in OPS.items()}, "kda_output_fp8": tuple(KDA_OUTPUT),
-              "group_linear": tuple(GROUP_LINEAR)}
+              "group_linear": tuple(GROUP_LINEAR), "linear": tuple(LINEAR)}
 ALL = tuple(OP_CONFIGS)
 # Default token counts where a path differs from DEFAULT_TOKENS: the KDA output path is bound by
 # its o_proj GEMM from a few thousand tokens on (and its large-T cases take minutes to autotune
 # and time), so the benchmark stops at 4096 there.
-OP_TOKENS = {"kda_output_fp8": (1, 7, 64, 512, 4096), "group_linear": (1, 7, 16, 64, 512, 4096)}
+OP_TOKENS = {"kda_output_fp8": (1, 7, 64, 512, 4096), "group_linear": (1, 7, 16, 64, 512, 4096),
+             "linear": (1, 7, 16, 64, 512, 4096)}

@@ -18,6 +18,10 @@ path up to the FP8 o_proj (``k3pallas``: the fused gated FP8 kernel then ``linea
 ``linear``; ``bf16``: the jnp gated norm in bf16 and a bf16 o_proj). The o_proj GEMM dominates
 there, so "% copy" says little. Likewise ``group_linear``: the group-FP8 consumers, each XLA
 lowering of ``linear`` beside the per-token FP8 path and the bf16 dot (``_group_linear_case``).
+``linear``: the scaled FP8 GEMM alone on pre-quantized operands (``_linear_case``): the Pallas
+GEMM, every XLA lowering of the format and the bf16 dot, its copy ceiling the bytes the GEMM
+must move (weight and scales, activation and scales, output), each input set with its own
+weight (a decode step reads each layer's weight once: from DRAM, not from the cache).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import k3pallas as kp
 from bench import cases as ops
 from k3pallas import platform
 from k3pallas.kernels import hooks, launch
-from k3pallas.linear import GROUP_IMPLS
+from k3pallas.linear import GROUP_IMPLS, PER_TOKEN_IMPLS
 
 
 
@@ -48,6 +52,7 @@ class Case:
     bytes_moved: int  # each input read once, each output written once
     input_bytes: int
     launch: launch.LaunchConfig | None  # the config the k3pallas kernel picks here
+    flops: int = 0  # a GEMM's 2 * T * K * N (TFLOPS in the report), else 0
 
 
 def _rand(key, shape, dtype):
@@ -185,6 +190,8 @@ def make_case(op: str, config_name: str, tokens: int, dtype: str, impl: str) -> 
         return Case(op, config_name, tokens, dt.name, make, variants, inb + outb, inb, launch_cfg)
     if op == "group_linear":
         return _group_linear_case(config_name, tokens, dt, impl)
+    if op == "linear":
+        return _linear_case(config_name, tokens, dt, impl)
     raise KeyError(f"unknown op {op!r}; known: {ops.ALL}")
 
 
@@ -236,6 +243,39 @@ def _group_linear_case(config_name: str, tokens: int, dt, impl: str) -> Case:
            else _nbytes((tokens, k), dt)) + k * n + (k // 128) * -(-n // 128) * 4
     outb = _nbytes((tokens, n), dt)
     return Case("group_linear", config_name, tokens, dt.name, make, variants, inb + outb, inb, None)
+
+
+def linear_operands(cfg: dict, tokens: int, seed: int, dt=jnp.bfloat16):
+    """(qa, qw, x, w) of a ``bench.cases.LINEAR`` config: ``x [T, K]`` and ``w [K, N]`` normal
+    (the weight scaled by K**-0.5), quantized to the config's format (the reference
+    quantization: the producer is not what is measured)."""
+    kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+    x = _rand(kx, (tokens, cfg["k"]), dt)
+    w = _rand(kw, (cfg["k"], cfg["n"]), dt) * cfg["k"] ** -0.5
+    return kp.quantize(x, cfg["fmt"], impl="reference"), kp.quantize_weight(w, cfg["fmt"]), x, w
+
+
+def _linear_case(config_name: str, tokens: int, dt, impl: str) -> Case:
+    """The GEMM alone (``bench.cases.LINEAR``): ``linear`` with the Pallas GEMM (``k3pallas``),
+    each XLA lowering of the format, and the bf16 dot of the unquantized operands (``bf16``)."""
+    cfg = {**ops.LINEAR, **ops.LINEAR_TEST}[config_name]
+    k, n, fmt = cfg["k"], cfg["n"], cfg["fmt"]
+    group = fmt != "fp8_per_token"
+    j = jax.jit
+
+    def make(seed):
+        return linear_operands(cfg, tokens, seed, dt)
+
+    def lowering(name):
+        return j(lambda qa, qw, x, w: kp.linear(qa, qw, out_dtype=dt, impl=name))
+    variants = {"k3pallas": lowering(impl)}
+    variants.update({name: lowering(name) for name in (GROUP_IMPLS if group else PER_TOKEN_IMPLS)})
+    variants["bf16"] = j(lambda qa, qw, x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dt))
+    structs = jax.eval_shape(lambda: make(0)[:2])
+    inb = sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(structs))
+    outb = _nbytes((tokens, n), dt)
+    return Case("linear", config_name, tokens, dt.name, make, variants, inb + outb, inb, None,
+                flops=2 * tokens * k * n)
 
 
 def copy_variants(bytes_moved: int):

@@ -77,6 +77,9 @@ def job_weight(op: str, config: str, tokens: int, dtype: str, gpu: bool) -> floa
         spec = cases.OPS[op]
         variants = 3 + (spec.unfused is not None) + (gpu and (spec.fp8 or spec.mx))
         nbytes = spec.bytes_moved(config, tokens, dtype)
+    elif op == "linear":  # the GEMM and its XLA lowerings
+        c = {**cases.LINEAR, **cases.LINEAR_TEST}[config]
+        variants, nbytes = 6, tokens * c["k"] * 3 + c["k"] * c["n"] * 3
     elif op == "group_linear":  # six variants around a GEMM
         c = cases.GROUP_LINEAR[config]
         k, n = (c["heads"] * c["dim"], c["hidden"]) if "heads" in c else (c["k"], c["n"])
@@ -112,6 +115,8 @@ def measure(case: bench_ops.Case, gpu: bool, calls: int, target) -> list[dict]:
             "gb_per_s": case.bytes_moved / (t.median_us * 1e3) if t.median_us > 0 else None,
             "pct_of_copy": 100.0 * copy_us / t.median_us if t.median_us > 0 else None,
             "input_sets": n_sets,
+            "tflops": (case.flops / (t.median_us * 1e6) if case.flops and t.median_us > 0
+                       and name != "copy" else None),
             "copy_kind": best if name == "copy" else None,
             "copy_us_by_kind": ({k: t.median_us for k, t in copy_times.items()}
                                 if name == "copy" else None),
@@ -169,7 +174,9 @@ def markdown(records: list[dict], env: dict) -> str:
         out.append("")
         head = ["T", "k3pallas us (n)"] + (["GB/s", "% copy"] if gpu else [])
         head += [f"{v} us (n)" for v in variants] + [f"x vs {v}" for v in variants]
+        gemm = any(d["k3pallas"].get("tflops") for d in by_t.values())
         head += ["copy us", "R, warps"] if gpu else []
+        head += ["TFLOPS"] if gpu and gemm else []
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "---|" * len(head))
         for t in sorted(by_t):
@@ -184,6 +191,7 @@ def markdown(records: list[dict], env: dict) -> str:
             if gpu:
                 cells += [f"{d['copy']['median_us']:.2f}",
                           f"{lc['rows_per_program']}, {lc['num_warps']}{split}" if lc else "-"]
+                cells += [_fmt(k.get("tflops"), ".0f")] if gemm else []
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
@@ -303,6 +311,8 @@ def main(argv=None) -> int:
     jobs = []
     for op in op_names:
         cfgs = args.configs.split(",") if args.configs else list(cases.OP_CONFIGS[op])
+        if op == "linear" and not gpu and not args.configs:  # interpret mode: small sizes
+            cfgs = list(cases.LINEAR_TEST)
         if args.quick and not args.configs:
             cfgs = cfgs[:1]
         op_tokens = tokens

@@ -23,6 +23,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+import k3pallas as kp
 from bench import cases as ops
 from k3pallas import platform
 from k3pallas.kernels import common, hooks, launch
@@ -30,6 +31,121 @@ from k3pallas.kernels import common, hooks, launch
 from bench import ops as bench_ops
 from bench import timing
 from bench.report import write_report
+
+# ------------------------------------------------------------------------------------------------
+# The scaled FP8 GEMM (``--gemm``): its configs per (format, N, K) and token bucket
+# ------------------------------------------------------------------------------------------------
+
+GEMM_TOKENS = (1, 16, 64, 512, 4096)
+
+
+def gemm_candidates(t: int, block_scales: bool, amd: bool = False) -> list:
+    """The GEMM configs swept at ``t`` tokens: decode tiles of 16 rows (narrow column blocks for
+    many programs, or the swapped tile), mid-size tiles, prefill tiles; column blocks within the
+    weight's 128-blocks where its scales are per block."""
+    C = launch.GemmConfig
+    if t <= 16:
+        c = [C(16, 16, 128, 4, 4), C(16, 32, 128, 4, 4), C(16, 32, 128, 4, 6), C(16, 64, 128, 4, 4),
+             C(16, 64, 128, 4, 4, True), C(16, 64, 128, 4, 6, True), C(16, 128, 128, 4, 4, True),
+             C(16, 128, 128, 8, 4, True), C(16, 32, 128, 2, 4), C(16, 16, 128, 2, 6)]
+        if not block_scales:
+            c += [C(16, 32, 256, 4, 4), C(16, 64, 256, 4, 3, True)]
+    elif t <= 128:
+        c = [C(16, 32, 128, 4, 4), C(32, 32, 128, 4, 4), C(64, 32, 128, 4, 4), C(64, 64, 128, 4, 4),
+             C(64, 64, 128, 4, 3), C(32, 64, 128, 4, 4), C(16, 64, 128, 4, 4), C(64, 128, 128, 4, 4)]
+    elif t <= 1024:
+        c = [C(64, 64, 128, 4, 4), C(64, 128, 128, 4, 3), C(64, 128, 128, 4, 4), C(128, 64, 128, 4, 4),
+             C(128, 128, 128, 8, 3), C(128, 128, 128, 4, 3), C(64, 64, 128, 4, 3), C(32, 64, 128, 4, 4)]
+        if not block_scales:
+            c += [C(64, 256, 128, 8, 3), C(128, 256, 64, 8, 3)]
+    else:
+        c = [C(128, 128, 128, 8, 3), C(128, 128, 128, 8, 4), C(128, 128, 128, 4, 3),
+             C(64, 128, 128, 4, 4), C(128, 64, 128, 4, 4), C(64, 128, 128, 4, 3)]
+        if not block_scales:
+            c += [C(128, 256, 128, 8, 3), C(128, 256, 64, 8, 4), C(256, 128, 64, 8, 3)]
+    if amd:  # LDS: 64 KB on gfx942; 16 wavefronts of 64 at most
+        c = [x for x in c if x.num_warps <= 8 and (x.block_m + x.block_n) * x.block_k * x.num_stages <= 64 << 10]
+    return c
+
+
+def gemm_sweep(configs, tokens, calls, log=print, on_point=None):
+    """Every candidate of ``gemm_candidates`` for each ``bench.cases.LINEAR`` config (UE8M0
+    shares the float32 group kernel: its entries are the group's) and token count; each
+    candidate's output checked against the heuristic's (same sums: equal up to the float32
+    order of the K steps)."""
+    target = platform.current_target()
+    points = []
+    for name in configs:
+        cfg = ops.LINEAR[name]
+        block = cfg["fmt"] != "fp8_per_token"
+        key = f"linear_{cfg['fmt']}"
+        for t in tokens:
+            sets = [bench_ops.linear_operands(cfg, t, s) for s in range(bench_ops.rotation_sets(
+                cfg["k"] * cfg["n"] + t * cfg["k"], bench_ops.cache_bytes(target)))]
+            default = launch.gemm_heuristic(t, cfg["n"], cfg["k"], target,
+                                            w_block=128 if block else None)
+
+            def fn(config, qa, qw, x, w):
+                with hooks.forced(config):
+                    return kp.linear(qa, qw, impl="pallas", out_dtype=jnp.float32)
+            want = jax.jit(lambda *a: fn(default, *a))(*sets[0])
+            results = []
+            cands = gemm_candidates(t, block, target.backend == "rocm")
+            for config in cands + ([default] if default not in cands else []):
+                f = jax.jit(lambda *a, _c=config: fn(_c, *a))
+                try:
+                    out = f(*sets[0])
+                    err = float(jnp.max(jnp.abs(out - want)) / jnp.max(jnp.abs(want)))
+                    if not err <= 1e-4:
+                        raise ValueError(f"output differs from the heuristic config's by {err:.2e}")
+                    tm = timing.time_device(f, sets, n_calls=calls)
+                except Exception as e:  # noqa: BLE001 - a config that fails is data
+                    log(f"  {name} T={t} {config.as_entry()}: failed: {str(e)[:160]}")
+                    continue
+                results.append({"config": config.as_entry(), "us": tm.median_us})
+            best = min(results, key=lambda r: r["us"])
+            dflt = next((r for r in results if r["config"] == default.as_entry()), None)
+            points.append({"op": "linear", "key": key, "config": name, "n": cfg["n"], "k": cfg["k"],
+                           "tokens": t, "best": best, "default": {"config": default.as_entry(),
+                           "us": dflt and dflt["us"]}, "all": results})
+            log(f"linear {name} T={t}: best {best['config']} {best['us']:.2f} us; heuristic "
+                f"{default.as_entry()} {dflt['us'] if dflt else float('nan'):.2f} us")
+            if on_point is not None:
+                on_point(target, points)
+    return target, points
+
+
+def gemm_table(points) -> dict:
+    """{launch key: [[max_tokens, n, k, bm, bn, bk, warps, stages, swap], ...]}: each measured T
+    serves token counts up to the geometric mean with the next measured one, the largest all
+    above it. UE8M0 takes the float32 group's entries (the same kernel)."""
+    out = {}
+    by_shape = {}
+    for p in points:
+        by_shape.setdefault((p["key"], p["n"], p["k"]), []).append(p)
+    for (key, n, k), ps in sorted(by_shape.items()):
+        ps.sort(key=lambda p: p["tokens"])
+        for i, p in enumerate(ps):
+            upper = int(math.sqrt(p["tokens"] * ps[i + 1]["tokens"])) if i + 1 < len(ps) else 2**31
+            keys = [key] + (["linear_fp8_group128_ue8m0"] if key == "linear_fp8_group128" else [])
+            for kk in keys:
+                out.setdefault(kk, []).append([upper, n, k, *p["best"]["config"]])
+    return out
+
+
+def gemm_markdown(target, points) -> str:
+    lines = [f"# GEMM config sweep on {target.device_kind} ({target.arch})", "",
+             "Device time per call (median) of `linear(impl='pallas')` on pre-quantized operands. "
+             "Configs: [block_m, block_n, block_k, warps, stages, swap]; `heuristic`: "
+             "`launch.gemm_heuristic`.", "",
+             "| config | T | best | best us | heuristic | heuristic us | heuristic / best |",
+             "|---|---|---|---|---|---|---|"]
+    for p in points:
+        b, d = p["best"], p["default"]
+        ratio = f"{d['us'] / b['us']:.2f}" if d["us"] else "-"
+        lines.append(f"| {p['config']} | {p['tokens']} | {b['config']} | {b['us']:.2f} | "
+                     f"{d['config']} | {d['us'] if d['us'] is None else format(d['us'], '.2f')} | {ratio} |")
+    return "\n".join(lines)
 
 # Decode batches (8..256 tokens per step) besides the prefill sizes; each measured T serves the
 # token counts up to the geometric mean with the next (``table``).
@@ -177,9 +293,20 @@ def write_table(path, target, points, args):
     except FileNotFoundError:
         data = {}
     configs = data.setdefault("configs", {})
-    configs[target.arch] = merge(configs.get(target.arch, {}), table(points, args.up_to))
-    data["note"] = ("written by python -m bench.tune --write; rows: [max_tokens, padded row "
-                    "elements, rows_per_program, num_warps, num_stages(, split)]")
+    if getattr(args, "gemm", False):
+        gemm = data.setdefault("gemm_configs", {})
+        new = gemm_table(points)
+        old = {key: [e for e in entries if not any(e[1:3] == x[1:3] for x in new.get(key, []))]
+               for key, entries in gemm.get(target.arch, {}).items()}
+        for key, entries in new.items():
+            old[key] = sorted(old.get(key, []) + entries, key=lambda e: (e[1], e[2], e[0]))
+        gemm[target.arch] = old
+    else:
+        configs[target.arch] = merge(configs.get(target.arch, {}), table(points, args.up_to))
+    data["note"] = ("written by python -m bench.tune --write; configs: [max_tokens, padded row "
+                    "elements, rows_per_program, num_warps, num_stages(, split)]; gemm_configs "
+                    "(--gemm): [max_tokens, n, k, block_m, block_n, block_k, num_warps, "
+                    "num_stages, swap]")
     sources = data.setdefault("sources", {})
     kinds = [k for k in str(sources.get(target.arch, {}).get("device_kind") or "").split(", ") if k]
     # Every device whose sweep wrote entries of this arch (a partial sweep keeps the others').
@@ -193,7 +320,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default=",".join(ops.OPS))
-    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--tokens", default=None, help=f"default {','.join(map(str, TOKENS))}")
     p.add_argument("--configs", default=None, help="only these model configs (default: all)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--calls", type=int, default=10)
@@ -205,14 +332,20 @@ def main(argv=None):
                    help="the largest token count the largest swept one serves (a partial sweep: "
                         "--write keeps the table's entries above it)")
     p.add_argument("--write", action="store_true", help="merge the winners into tuned_configs.json")
+    p.add_argument("--gemm", action="store_true",
+                   help="sweep the scaled FP8 GEMM (linear) instead: --configs from "
+                        "bench.cases.LINEAR (default: the float32 group and per-token ones), "
+                        f"--tokens default {','.join(map(str, GEMM_TOKENS))}")
     args = p.parse_args(argv)
+    args.tokens_given = args.tokens is not None
+    args.tokens = args.tokens or ",".join(map(str, TOKENS))
     target = platform.current_target()
     if not target.is_gpu:
         raise SystemExit("bench.tune needs a GPU (it times compiled kernels)")
     t0 = time.time()
 
     def save(target, points):
-        md = markdown(target, points)
+        md = (gemm_markdown if args.gemm else markdown)(target, points)
         write_report(args.out, "tune", md, {"device_kind": target.device_kind, "arch": target.arch,
                                             "jax": jax.__version__, "dtype": args.dtype,
                                             "points": points})
@@ -220,6 +353,14 @@ def main(argv=None):
             write_table(os.path.join(args.out, "tuned_configs.json"), target, points, args)
         return md
 
+    if args.gemm:
+        names = (args.configs.split(",") if args.configs else
+                 [c for c in ops.LINEAR if not c.endswith("ue8m0")])
+        tokens = [int(t) for t in args.tokens.split(",")] if args.tokens_given else list(GEMM_TOKENS)
+        target, points = gemm_sweep(names, tokens, args.calls, on_point=save, log=lambda m: print(
+            f"[{time.time() - t0:6.1f}s] {m}", file=sys.stderr, flush=True))
+        print(save(target, points))
+        return 0
     target, points = sweep([o for o in args.ops.split(",") if o],
                            [int(t) for t in args.tokens.split(",")], args.dtype, args.calls,
                            log=lambda m: print(f"[{time.time() - t0:6.1f}s] {m}", file=sys.stderr, flush=True),

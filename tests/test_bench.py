@@ -428,3 +428,41 @@ def test_ab_loads_a_folder_as_the_base(tmp_path):
     base = ab.base_package(str(tmp_path / "src"), str(tmp_path / "into"))
     assert base.__file__.startswith(str(tmp_path / "into"))
     assert ab.run_case("rmsnorm", "test", 2, base, impl="interpret", calls=1)["same_bits"]
+
+
+def test_tune_gemm_table_and_write(tmp_path, monkeypatch):
+    """The GEMM sweep's winners: per (key, N, K), each measured T serves up to the geometric mean
+    with the next; UE8M0 takes the float32 group's entries; a new sweep of an (N, K) replaces
+    that shape's entries only; ``launch.gemm_config`` reads them."""
+    from bench import tune
+    from k3pallas import platform
+    from k3pallas.kernels import launch
+
+    def point(t, cfg, key="linear_fp8_group128", n=7168, k=1536):
+        return {"key": key, "n": n, "k": k, "tokens": t, "best": {"config": cfg}}
+    pts = [point(1, [16, 32, 128, 4, 4, 0]), point(16, [16, 64, 128, 4, 4, 1]),
+           point(512, [64, 128, 128, 4, 3, 0])]
+    table = tune.gemm_table(pts)
+    assert table["linear_fp8_group128"] == table["linear_fp8_group128_ue8m0"] == [
+        [4, 7168, 1536, 16, 32, 128, 4, 4, 0], [90, 7168, 1536, 16, 64, 128, 4, 4, 1],
+        [2**31, 7168, 1536, 64, 128, 128, 4, 3, 0]]
+    shipped = tmp_path / "shipped.json"
+    shipped.write_text(json.dumps({"gemm_configs": {"sm_90": {"linear_fp8_group128": [
+        [2**31, 4608, 7168, 64, 64, 128, 4, 3, 0], [2**31, 7168, 1536, 16, 16, 128, 4, 4, 0]]}}}))
+    monkeypatch.setattr(tune.launch, "TUNED_PATH", str(shipped))
+    args = types.SimpleNamespace(up_to=None, dtype="bfloat16", gemm=True)
+    tune.write_table(str(tmp_path / "out.json"), types.SimpleNamespace(arch="sm_90", device_kind="H"),
+                     pts, args)
+    data = json.loads((tmp_path / "out.json").read_text())
+    entries = data["gemm_configs"]["sm_90"]["linear_fp8_group128"]
+    assert [4608, 7168] == entries[0][1:3] and len(entries) == 4  # the other shape kept
+    monkeypatch.setattr(tune.launch, "TUNED_PATH", str(tmp_path / "out.json"))
+    launch.gemm_tuned_table.cache_clear()
+    try:
+        sm90 = platform.target_from_name("sm_90")
+        assert launch.gemm_config("linear_fp8_group128", 7, 7168, 1536, target=sm90,
+                                  w_block=128).as_entry() == [16, 64, 128, 4, 4, 1]
+        assert launch.gemm_config("linear_fp8_group128", 7, 7000, 1536, target=sm90,
+                                  w_block=128) == launch.gemm_heuristic(7, 7000, 1536, sm90, w_block=128)
+    finally:
+        launch.gemm_tuned_table.cache_clear()

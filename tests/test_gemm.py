@@ -201,3 +201,75 @@ def test_one_launch_fp8_operands_into_the_dot(target, t):
         f8 = "f8E4M3FNUZ" if kind == "MI300X" else "f8E4M3FN"
         dots = [line for line in ir["ir"].splitlines() if "tt.dot" in line]
         assert dots and all(f8 in line for line in dots), dots[:2]
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU tier
+# ------------------------------------------------------------------------------------------------
+
+# |out - ref| <= GPU_TOL * mag on the device: the matrix cores' partial sums of exact FP8
+# products, promoted to float32 every K step (group) or every instruction (Pallas' FP8 dot asks
+# Triton for full-precision accumulation); measured at K = 7168 in
+# test_gemm_accumulation_error_on_gpu (docs/formats.md, Consumers).
+GPU_TOL = 2.0**-12
+
+
+def _gpu_operands(config, t, seed):
+    from bench import cases as bench_cases, ops as bench_ops
+
+    return bench_ops.linear_operands(bench_cases.LINEAR[config], t, seed)[:2]
+
+
+def _sampled_oracle(qa, qw, rows):
+    a = f64(qa.dequantize())[rows]
+    w = f64(qw.dequantize())
+    return a @ w, np.abs(a) @ np.abs(w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 7, 16, 64, 512, 4096])
+@pytest.mark.parametrize("config", ["kimi-k3-oproj-tp8-fp8_group128", "deepseek-v3-mlp-tp8-fp8_group128",
+                                    "deepseek-v3-oproj-tp8-fp8_group128_ue8m0",
+                                    "kimi-k3-oproj-tp8-fp8_per_token", "deepseek-v3-mlp-tp8-fp8_per_token"])
+def test_gemm_production_shapes_on_gpu(rng, config, t):
+    """The compiled GEMM at the benchmark's shapes (the tuned or heuristic config): against the
+    float64 oracle on sampled rows, two runs bit-identical, every output element written
+    (poisoned), the bf16 output one rounding of the float32 one."""
+    qa, qw = _gpu_operands(config, t, int(rng.integers(2**31)))
+    fn = jax.jit(lambda a, w: kp.linear(a, w, impl="pallas", out_dtype=jnp.float32))
+    out = fn(qa, qw)
+    assert np.array_equal(np.asarray(out), np.asarray(fn(qa, qw))), "two runs differ"
+    with testing.poisoned_outputs():
+        poisoned = jax.jit(lambda a, w: kp.linear(a, w, impl="pallas", out_dtype=jnp.float32))(qa, qw)
+    assert np.array_equal(np.asarray(out), np.asarray(poisoned)), "poisoned run differs"
+    rows = np.unique(np.concatenate([[0, t - 1], rng.integers(0, t, min(t, 64))]))
+    ref, mag = _sampled_oracle(qa, qw, rows)
+    got = f64(out)[rows]
+    assert np.all(np.abs(got - ref) <= GPU_TOL * mag + 1e-30), np.max(np.abs(got - ref) / mag)
+    out16 = kp.linear(qa, qw, impl="pallas")
+    np.testing.assert_array_equal(f64(out16), f64(out.astype(jnp.bfloat16)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8_group128", "fp8_per_token"])
+def test_gemm_accumulation_error_on_gpu(rng, fmt):
+    """K = 7168 (the DeepSeek-V3 MLP input): the error against the float64 oracle relative to
+    the magnitudes, at the decode and prefill tiles; printed (pytest -s) and bounded."""
+    from bench import ops as bench_ops
+
+    cfg = dict(k=7168, n=512, fmt=fmt)
+    for t, forced in ((16, None), (512, GemmConfig(128, 128, 128, 8, 3))):
+        qa, qw = bench_ops.linear_operands(cfg, t, int(rng.integers(2**31)))[:2]
+        with hooks.forced(forced) if forced else _nothing():
+            out = f64(jax.jit(lambda a, w: kp.linear(a, w, impl="pallas", out_dtype=jnp.float32))(qa, qw))
+        ref, mag = _oracle(qa, qw)
+        ratio = np.max(np.abs(out - ref) / mag)
+        rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+        print(f"{fmt} T={t} K=7168: max |err| / mag {ratio:.3g}, ||err|| / ||ref|| {rel:.3g}")
+        assert ratio <= GPU_TOL, ratio
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
