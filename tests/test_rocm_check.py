@@ -233,13 +233,19 @@ def test_gate_cases():
     cases = rocm_check.cases((1, 4096), None)
     fp8 = [c for c in cases if c["op"] in FP8_OPS]
     assert fp8 and {c["fp8_cast"] for c in fp8} == {"encoder", "native"}
-    mxfp8 = [c for c in cases if op_table.OPS[c["op"]].mx and c["config"].endswith("-mxfp8")]
+    mxfp8 = [c for c in cases if c["op"] in op_table.OPS and op_table.OPS[c["op"]].mx
+             and c["config"].endswith("-mxfp8")]
     assert mxfp8 and {c["fp8_cast"] for c in mxfp8} == {"encoder", "native"}
     assert all(c.get("archs") == ["gfx950"] for c in mxfp8 if c["fp8_cast"] == "native")
     assert all("fp8_cast" not in c for c in cases if c["op"] not in FP8_OPS and c not in mxfp8)
     assert rocm_check.BROKEN not in cases
     ops = {c["op"] for c in cases}
-    assert ops == set(op_table.OPS)  # every op of the table, with no list of its own
+    assert ops == set(op_table.OPS) | {"linear"}  # every op of the table, with no list of its own
+    gemm = [c for c in cases if c["op"] == "linear"]  # every GEMM format and shape, its tiles
+    assert {c["config"] for c in gemm} == set(op_table.LINEAR)
+    assert {c["tokens"] for c in gemm} == set(rocm_check.GEMM_EXTRA_TOKENS)
+    fn, args = rocm_check.case_fn(gemm[0], "gfx942")
+    assert args[0].data.dtype == jnp.float8_e4m3fnuz and args[1].data.dtype == jnp.float8_e4m3fnuz
     assert {"fused_q_kv_rmsnorm", "rmsnorm_gated_fp8_per_token"} <= FP8_OPS | ops
     fn, args = rocm_check.case_fn(rocm_check.BROKEN)  # the forced launch: 64 rows, 1 wavefront
     (launch,) = testing.triton_launches(testing.lower_for(fn, args, *testing.KNOWN_TARGETS["gfx942"]).as_text())
@@ -290,6 +296,16 @@ def test_amd_cost_model(tmp_path):
     assert "ESTIMATE" in (tmp_path / "amd_cost_model.md").read_text()
     path.write_text(json.dumps({"meta": {}, "results": []}))
     assert amd_cost.main(["--gate", str(path), "--out", str(tmp_path)]) == 2
+
+
+def test_the_gate_fails_a_gemm_without_fp8_matrix_instructions():
+    row = {"arch": "gfx942", "op": "linear", "config": "c", "tokens": 1,
+           "kernel": "k3pallas_linear_fp8_group128", "mfma": ["v_mfma_f32_16x16x32_fp8_fp8"],
+           "vgpr_spill": 0, "sgpr_spill": 0, "scratch": 0, "occupancy": 6}
+    assert rocm_check.problems(row) == []
+    assert rocm_check.problems({**row, "mfma": ["v_mfma_f32_16x16x16_bf16"]})
+    assert rocm_check.problems({**row, "arch": "gfx950"})  # gfx950's are *_f8f6f4
+    assert rocm_check.problems({**row, "arch": "gfx950", "mfma": ["v_mfma_f32_16x16x128_f8f6f4"]}) == []
 
 
 def test_the_gate_fails_a_wrong_format_or_too_many_threads():

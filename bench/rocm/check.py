@@ -56,15 +56,18 @@ FP8_CVT = re.compile(r"\b(v_cvt\w*(fp8|bf8)\w*)")  # the FP8 conversion instruct
 FP8_CASTS = ("encoder", "native")
 BROKEN = {"op": "rmsnorm", "config": "deepseek-v3-mla", "tokens": 4096, "launch": [64, 1, 1],
           "broken": True}
-# Group FP8 programs per lowering of the block-FP8 linear (k3pallas.linear.GROUP_IMPLS): the
-# Kimi-K3 TP8 KDA o_proj (12 x 128 -> 7168) and a DeepSeek-V3 dense MLP input at TP8 (7168 ->
-# 2 x 2304, gate and up).
+# Group FP8 programs per lowering of the block-FP8 linear (the Pallas GEMM, and
+# k3pallas.linear.GROUP_IMPLS): the Kimi-K3 TP8 KDA o_proj (12 x 128 -> 7168) and a DeepSeek-V3
+# dense MLP input at TP8 (7168 -> 2 x 2304, gate and up).
 _GROUP_BASES = ("kda_out_group_tp8", "dsv3_mlp_group_tp8")
 GROUP_PROGRAMS = tuple(f"{p}_{impl}" for p in _GROUP_BASES
-                       for impl in ("dequantize", "per_group", "scaled_dot"))
+                       for impl in ("pallas", "dequantize", "per_group", "scaled_dot"))
 PROGRAMS = ("mla_front", "kda_out_fp8", "kda_out_fp8_tp8", "kda_out_mxfp4_tp8", "mla_out_mxfp4_tp8",
             *GROUP_PROGRAMS)
 PROGRAM_TOKENS = (64, 4096)
+# The GEMM's token counts the gate compiles besides the run's --tokens (its decode, mid and
+# prefill tiles).
+GEMM_EXTRA_TOKENS = (1, 16, 64, 512, 4096)
 
 
 def cases(tokens, ops, casts=FP8_CASTS) -> list[dict]:
@@ -85,20 +88,39 @@ def cases(tokens, ops, casts=FP8_CASTS) -> list[dict]:
                     out.append({"op": name, "config": cfg, "tokens": t,
                                 **({"fp8_cast": cast} if cast else {}),
                                 **({"archs": ["gfx950"]} if mxfp8 and cast == "native" else {})})
+    if not ops or "linear" in ops:  # the GEMM: every format and shape at the linear op's tokens
+        out += [{"op": "linear", "config": cfg, "tokens": t} for cfg in op_table.LINEAR
+                for t in op_table.OP_TOKENS["linear"] if not tokens or t in tokens
+                or t in GEMM_EXTRA_TOKENS]
     return out
 
 
-def case_fn(case):
+def case_fn(case, arch=None):
     """(function, ShapeDtypeStructs) of one case, bf16 activations. FP8: the target's default
     format; the cast "native" is requested as "native_unchecked" (compiling ahead of time: no
     device to run the self-check on). A ``launch`` [rows, warps, stages] forces a launch config
-    (``--broken``)."""
+    (``--broken``). ``linear``: the GEMM on records in ``arch``'s default FP8 type."""
     import contextlib
 
     import jax.numpy as jnp
 
     from bench import cases as op_table
     from k3pallas.kernels import hooks, launch
+
+    if case["op"] == "linear":
+        import jax
+
+        import k3pallas as kp
+        from k3pallas import platform
+
+        c = op_table.LINEAR[case["config"]]
+        with (kp.compiling_for(platform.target_from_name(arch)) if arch
+              else contextlib.nullcontext()):  # the records in the arch's FP8 type
+            qa, qw = jax.eval_shape(lambda: (
+                kp.quantize(jnp.zeros((case["tokens"], c["k"]), jnp.bfloat16), c["fmt"],
+                            impl="reference"),
+                kp.quantize_weight(jnp.zeros((c["k"], c["n"]), jnp.bfloat16), c["fmt"])))
+        return (lambda a, w: kp.linear(a, w, impl="pallas")), [qa, qw]
 
     spec = op_table.OPS[case["op"]]
     args, options = spec.example(case["tokens"], jnp.dtype(jnp.bfloat16), **spec.sizes[case["config"]])
@@ -184,6 +206,9 @@ _HEAD_SHARDED_OPS = ("rmsnorm_gated", "sigmoid_mul", "quantize")
 
 SHARDED_PROGRAMS = ("kda_out_fp8_tp8_named", "mla_out_fp8_tp8_shard_map")
 SHARDED_PROGRAM_TOKENS = (64, 4096)
+# The GEMM's token counts the gate compiles besides the run's --tokens (its decode, mid and
+# prefill tiles).
+GEMM_EXTRA_TOKENS = (1, 16, 64, 512, 4096)
 
 
 def sharded_cases(ops=None) -> list[dict]:
@@ -307,7 +332,7 @@ def extract(tokens, ops, workdir, log, broken=False):
     manifest = []
     for arch in ARCHS:
         for i, case in enumerate(cases(tokens, ops) + ([BROKEN] if broken else [])):
-            fn, args = case_fn(case)
+            fn, args = case_fn(case, arch)
             lowered = testing.lower_for(fn, args, *testing.KNOWN_TARGETS[arch])
             for mod in testing.triton_ir_modules(lowered):
                 path = os.path.join(workdir, f"{arch}-{i}.ttir")
@@ -410,6 +435,7 @@ def compile_all(manifest_path: str) -> list[dict]:
 ARCH_FP8 = {"gfx942": "f8e4m3fnuz", "gfx950": "f8e4m3fn"}  # the arch's default FP8 format (HLO)
 NATIVE_CVT = {"gfx942": "v_cvt_pk_fp8_f32", "gfx950": "v_cvt_scalef32_pk_fp8_f32"}
 MAX_THREADS = 1024
+FP8_MFMA = {"gfx942": "_fp8_fp8", "gfx950": "_f8f6f4"}  # the FP8 matrix instructions' suffixes
 
 
 def problems(r) -> list[str]:
@@ -435,6 +461,11 @@ def problems(r) -> list[str]:
         out.append(f"scratch {r['scratch']} bytes")
     if r.get("kernel", "").startswith("k3pallas_") and (r.get("occupancy") or 0) < MIN_OCCUPANCY:
         out.append(f"occupancy {r.get('occupancy')} < {MIN_OCCUPANCY}")
+    if r.get("kernel", "").startswith("k3pallas_linear") and "mfma" in r:
+        # The GEMM's FP8 operands must reach the matrix cores as FP8: gfx942's
+        # v_mfma_*_fp8_fp8 (e4m3fnuz), gfx950's v_mfma_*_f8f6f4 (e4m3fn).
+        if not any(FP8_MFMA[r["arch"]] in m for m in r["mfma"]):
+            out.append(f"no FP8 matrix instruction (*{FP8_MFMA[r['arch']]}*): {r['mfma']}")
     return out
 
 
@@ -454,7 +485,8 @@ def markdown(results, meta, programs=(), other=None) -> str:
              "each target (wavefront 64). Occupancy: waves per SIMD (gate: >= "
              f"{MIN_OCCUPANCY}). LDS in bytes. `fp8 cvt`: FP8 conversion instructions (count). "
              "`cast`: the FP8 conversion path of the kernel (encoder: integer bit encoder; native: "
-             "the hardware conversion)." + (" Cells `a/b`: XLA / pip triton." if pair else ""), "",
+             "the hardware conversion). `linear`: the scaled FP8 GEMM, its matrix instructions in "
+             "the `fp8 cvt` column (gate: FP8 ones)." + (" Cells `a/b`: XLA / pip triton." if pair else ""), "",
              "| arch | op | config | T | cast | R grid | warps | VGPR | SGPR | AGPR | spills | scratch | LDS | occupancy | instructions | VALU | fp8 cvt | gate |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
@@ -472,7 +504,7 @@ def markdown(results, meta, programs=(), other=None) -> str:
         o = by_key.get(_key(r))
         grid = r.get("grid", ["-"])[0] if r.get("grid") else "-"
         p = problems(r)
-        cvt = ", ".join(r.get("fp8_cvt") or []) or "-"
+        cvt = ", ".join(r.get("fp8_cvt") or r.get("mfma") or []) or "-"
         if r.get("fp8_cvt_count"):
             cvt += f" ({r['fp8_cvt_count']})"
         lines.append(
@@ -572,8 +604,10 @@ def gemm_summary(pr) -> str:
     blas = sorted({c["target"] for c in pr["custom_calls"] if "blas" in c["target"].lower()})
     parts = [f"library call {', '.join(blas)}"] if blas else []
     for k in pr["launches"]:
-        if k["ours"] or not ("gemm" in k["kernel"] or "dot" in k["kernel"] or k.get("mfma")
-                             or pr["program"] in MX_PROGRAMS):
+        ours_gemm = k["ours"] and k["kernel"].startswith("k3pallas_linear")
+        if (k["ours"] and not ours_gemm) or not (
+                "gemm" in k["kernel"] or "dot" in k["kernel"] or k.get("mfma") or ours_gemm
+                or pr["program"] in MX_PROGRAMS):
             continue
         if k.get("mfma") is None and "fma" not in k:
             parts.append(f"{k['kernel']}: (machine code as compiled before, not re-read)")

@@ -401,7 +401,7 @@ def main(arch, cases_path, out_path, mode="kernels"):
             continue
         if arch not in case.get("archs", (arch,)):  # e.g. native MXFP8: gfx950 only
             continue
-        fn, args = rocm_check.case_fn(case)
+        fn, args = rocm_check.case_fn(case, arch)
         out["kernels"] += comp.kernel_case({**case, "arch": arch}, fn, args)
     with open(out_path, "w") as fh:
         json.dump(out, fh)
