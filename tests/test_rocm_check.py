@@ -317,3 +317,24 @@ def test_the_gate_fails_a_wrong_format_or_too_many_threads():
     assert rocm_check.problems({**row, "fp8_formats": ["f8e4m3fn"]})
     assert rocm_check.problems({**row, "fp8_cvt": []})
     assert rocm_check.problems({**row, "threads": 2048})
+
+
+def test_amd_cost_gemm_rows():
+    """The GEMM's estimate: launch floor + one HBM latency + the larger of memory time (the
+    GEMM's bytes at the fraction of the chip its programs cover) and matrix time (the busiest
+    CU's tiles at the datasheet FP8 rate), with the config the heuristic gives the arch."""
+    from bench.rocm import amd_cost
+    from k3pallas import platform
+    from k3pallas.kernels import launch
+
+    devices = {"gfx942": {"core_count": 304, "clock_rate_ghz": 2.1}}
+    row = {"arch": "gfx942", "op": "linear", "config": "deepseek-v3-oproj-tp8-fp8_group128",
+           "tokens": 8, "kernel": "k3pallas_linear_fp8_group128"}
+    (g,) = amd_cost.gemm_table({"meta": {"devices": devices}, "results": [row]})
+    cfg = launch.gemm_config("linear_fp8_group128", 8, 7168, 2048,
+                             target=platform.target_from_name("gfx942"), w_block=128)
+    assert g["launch"] == cfg.as_entry() and g["programs"] == -(-7168 // cfg.block_n)
+    nbytes = 8 * 2048 + 7168 * 2048 + 2 * 8 * 7168 + 4 * 8 * 16 + 4 * 56 * 16
+    mem = nbytes / (4.2e12 * min(1.0, g["programs"] / 304)) * 1e6
+    assert abs(g["memory_us"] - mem) < 1e-9 and g["bound"] == "memory"
+    assert g["predicted_us"] == amd_cost.LAUNCH_FLOOR_US + amd_cost.HBM_LATENCY_US + mem

@@ -19,6 +19,14 @@ and FP8 conversion path (integer encoder or native conversion), and published fi
   kernel); the one measured anchor is the seed's fused KDA epilogue at 4.2 us per layer in decode
   on MI355X (vLLM PR 54254), which the model's decode rows can be held against.
 
+The scaled FP8 GEMM (``linear``) has its own rows: launch floor + one HBM latency (its first
+tile) + the larger of memory time (the bytes the GEMM must move, at the fraction of the
+chip's bandwidth its programs occupy when there are fewer than CUs) and matrix time (the busiest
+CU's programs, each ``2 * BM * BN * K`` at the CU's share of the datasheet FP8 dense rate,
+``FP8_DENSE_FLOPS``: an ASSUMPTION of perfect MFMA issue, so at prefill a lower bound that real
+kernels miss by 2x or more). The one measured AMD anchor for it:
+AITER's ``gemm_a8w8_blockscale`` at M = 8, N = 7168, K = 2048 in 7.9 us on an MI300X.
+
 The instruction counts are the static counts of the compiled kernels, which are the dynamic
 ones (the row kernels are straight-line code). CUs and clock from XLA's own target configs
 (MI300X 304 CUs, 2.1 GHz; MI350X 256 CUs, 2.2 GHz; an MI355X clocks 2.4 GHz). Scalar and memory
@@ -40,6 +48,9 @@ LAUNCH_FLOOR_US = 2.0  # ASSUMED: an empty kernel's device time on MI300X / MI35
 HBM_LATENCY_US = 0.8  # ASSUMED: one dependent HBM access (pointer-chase figures, ~0.7-1 us)
 SIMDS_PER_CU = 4
 PARTS = {"gfx942": "MI300X", "gfx950": "MI355X (MI350X config)"}
+# Datasheet FP8 dense matrix rates (flop/s): MI300X 2614.9 TFLOPS, MI350X 4614 TFLOPS (the
+# gate's gfx950 config is the MI350X's 256 CUs at 2.2 GHz; an MI355X at 2.4 GHz: 5033).
+FP8_DENSE_FLOPS = {"gfx942": 2614.9e12, "gfx950": 4614e12}
 FP8_OPS = tuple(name for name, op in ops.OPS.items() if op.fp8)
 
 
@@ -67,6 +78,38 @@ def estimate(r: dict, device: dict) -> dict:
             "bound": bound}
 
 
+def gemm_estimate(r: dict, device: dict) -> dict:
+    """The model's times (us) of one gate row of the GEMM (``linear``) on ``device``."""
+    from k3pallas import platform
+    from k3pallas.kernels import launch
+
+    c = ops.LINEAR[r["config"]]
+    m, n, k = r["tokens"], c["n"], c["k"]
+    block = c["fmt"] != "fp8_per_token"
+    cfg = launch.gemm_config(r["kernel"][len("k3pallas_"):], m, n, k,
+                             target=platform.target_from_name(r["arch"]), w_block=128 if block else None)
+    cus = device["core_count"]
+    programs = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    per_cu = -(-programs // cus)
+    mfma_us = per_cu * 2 * cfg.block_m * cfg.block_n * k / (FP8_DENSE_FLOPS[r["arch"]] / cus) * 1e6
+    nbytes = m * k + n * k + 2 * m * n + 4 * m * (k // 128 if block else 1) + 4 * (
+        -(-n // 128) * (k // 128) if block else n)
+    # Fewer programs than CUs stream with that fraction of the chip's bandwidth.
+    mem_us = nbytes / (ACHIEVABLE_BW[r["arch"]] * min(1.0, programs / cus)) * 1e6
+    bound = "memory" if mem_us >= mfma_us else "matrix"
+    return {"memory_us": mem_us, "matrix_us": mfma_us, "predicted_us": LAUNCH_FLOOR_US
+            + HBM_LATENCY_US + max(mem_us, mfma_us), "bound": bound, "programs": programs,
+            "launch": cfg.as_entry(), "tflops": 2 * m * n * k / (LAUNCH_FLOOR_US + HBM_LATENCY_US
+                                                               + max(mem_us, mfma_us)) / 1e6}
+
+
+def gemm_table(gate: dict) -> list[dict]:
+    devices = gate["meta"]["devices"]
+    return [{"arch": r["arch"], "config": r["config"], "tokens": r["tokens"],
+             **gemm_estimate(r, devices[r["arch"]])}
+            for r in gate["results"] if r["op"] == "linear" and "error" not in r]
+
+
 def table(gate: dict) -> list[dict]:
     devices = gate["meta"]["devices"]
     by_key = {}
@@ -84,7 +127,7 @@ def table(gate: dict) -> list[dict]:
     return rows
 
 
-def markdown(rows, gate) -> str:
+def markdown(rows, gate, gemm_rows=()) -> str:
     devices = gate["meta"]["devices"]
     out = ["# ESTIMATE: FP8 kernels on MI300X / MI355X, integer encoder vs native conversion", "",
            "Not measured (no AMD GPU was reachable): a model from the instruction counts that "
@@ -96,7 +139,7 @@ def markdown(rows, gate) -> str:
            "transcendentals at quarter rate) and `serial` (one wavefront's chain and two HBM "
            "round trips, per round of resident wavefronts). The one measured AMD anchor: the "
            "seed's fused KDA epilogue, 4.2 us per layer in decode on MI355X.", ""]
-    for arch in sorted({r["arch"] for r in rows}):
+    for arch in sorted({r["arch"] for r in list(rows) + list(gemm_rows)}):
         d = devices[arch]
         out += [f"## {arch}: {PARTS.get(arch, arch)}, {d['core_count']} CUs, {d['clock_rate_ghz']} GHz, "
                 f"{ACHIEVABLE_BW[arch] / 1e12:.1f} TB/s achievable", "",
@@ -114,6 +157,15 @@ def markdown(rows, gate) -> str:
                        f"{e['predicted_us'] / n['predicted_us']:.2f} | {e['valu']} / {n['valu']} "
                        f"({e.get('trans')}) | {e['occupancy']} / {n['occupancy']} |")
         out.append("")
+        gemm = [g for g in gemm_rows if g["arch"] == arch]
+        if gemm:
+            out += [f"### {arch}: the scaled FP8 GEMM (`linear`)", "",
+                    "| config | T | [BM, BN, BK, warps, stages, swap] | programs | mem | matrix | "
+                    "predicted (bound) | TFLOPS |", "|---|---|---|---|---|---|---|---|"]
+            out += [f"| {g['config']} | {g['tokens']} | {g['launch']} | {g['programs']} | "
+                    f"{g['memory_us']:.1f} | {g['matrix_us']:.1f} | {g['predicted_us']:.1f} "
+                    f"({g['bound']}) | {g['tflops']:.0f} |" for g in gemm]
+            out.append("")
     return "\n".join(out)
 
 
@@ -131,8 +183,11 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     rows = table(gate)
-    md = markdown(rows, gate)
+    gemm_rows = gemm_table(gate)
+    md = markdown(rows, gate, gemm_rows)
     write_report(args.out, "amd_cost_model", md, {"gate_meta": gate["meta"], "rows": rows,
+                                                  "gemm_rows": gemm_rows,
+                                                  "fp8_dense_flops": FP8_DENSE_FLOPS,
                                                   "achievable_bw": ACHIEVABLE_BW,
                                                   "launch_floor_us": LAUNCH_FLOOR_US,
                                                   "hbm_latency_us": HBM_LATENCY_US})

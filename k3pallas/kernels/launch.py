@@ -212,8 +212,7 @@ def gemm_heuristic(m: int, n: int, k: int, target: Target, *, w_block: int | Non
         bn = min(cap_n, 128)
         while bn > 16 and -(-n // bn) < _GEMM_PROGRAMS_PER_CORE * target.num_cores:
             bn //= 2
-        return GemmConfig(16, max(bn, 64) if amd else max(bn, 16), 128, 4, 2 if amd else 4,
-                          swap=not amd and bn >= 64)
+        return GemmConfig(16, bn, 128, 4, 2 if amd else 4, swap=not amd and bn >= 64)
     if m <= 128:
         bm = 16 if m <= 32 else 64
         bn = min(cap_n, 64)
