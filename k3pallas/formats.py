@@ -211,17 +211,25 @@ class Fp8PerToken(_DeviceFp8, Format):
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
-        if self.dtype is not None:
-            set_("dtype", fp8_lib.fp8_format(self.dtype).dtype)
-        if self.fp8_max is not None:
-            set_("fp8_max", static_positive_float("fp8_max", self.fp8_max, low=FP8_MAX_MIN))
+        try:
             if self.dtype is not None:
-                _check_fp8_max(self.fp8_max, self.dtype)
-        if self.min_scale is not None:
-            set_("min_scale", static_positive_float("min_scale", self.min_scale, high=SCALE_MAX))
-        if self.scale_ub is not None:
-            set_("scale_ub", static_positive_float("scale_ub", self.scale_ub))
-        set_("groups", static_int("groups", self.groups, 1))
+                set_("dtype", _fp8_dtype(self.dtype))
+            if self.fp8_max is not None:
+                set_("fp8_max", static_positive_float("fp8_max", self.fp8_max, low=FP8_MAX_MIN))
+                if self.dtype is not None:
+                    _check_fp8_max(self.fp8_max, self.dtype)
+            if self.min_scale is not None:
+                set_("min_scale", static_positive_float("min_scale", self.min_scale, high=SCALE_MAX))
+            if self.scale_ub is not None:
+                set_("scale_ub", static_positive_float("scale_ub", self.scale_ub))
+            set_("groups", static_int("groups", self.groups, 1))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"Fp8PerToken: {e}") from None
+
+    def for_weight(self) -> "Fp8PerToken":
+        """This format as a weight's (one scale per output channel): the activation-only
+        fields (``min_scale``, ``scale_ub``, ``groups``) back to their defaults."""
+        return dataclasses.replace(self, min_scale=None, scale_ub=None, groups=1)
 
     def bind(self, dtype) -> "Fp8PerToken":
         dtype, fp8_max = self._element(dtype)
@@ -250,6 +258,16 @@ class Fp8PerToken(_DeviceFp8, Format):
         scale = jnp.where(jnp.all(jnp.isfinite(yg), axis=-1, keepdims=True), scale, jnp.nan)
         data = jnp.clip(yg / scale, -self.fp8_max, self.fp8_max).astype(self.dtype)
         return data.reshape(y.shape), scale[..., 0]
+
+
+def _fp8_dtype(dtype):
+    """The element dtype field of an FP8 format: one of the FP8 dtypes; TypeError naming the
+    field otherwise."""
+    try:
+        return fp8_lib.fp8_format(dtype).dtype
+    except TypeError:
+        names = ", ".join(d.name for d in fp8_lib.FP8_DTYPES)
+        raise TypeError(f"dtype must be one of {names} (or None: by device), got {dtype!r}") from None
 
 
 def _check_fp8_max(fp8_max, dtype):
@@ -289,6 +307,30 @@ class Mx(_Blocks):
 
     block: ClassVar[int] = 32
     unit: ClassVar[str] = "block"
+
+    def __post_init__(self):
+        """Only the two OCP MX formats, exactly: a hand-built value that mixes their fields would
+        write codes of one element type under the name of another."""
+        want = _MX_SPECS.get(self.name)
+        if want is None:
+            raise ValueError(f"Mx: name must be one of {tuple(_MX_SPECS)}, got {self.name!r} "
+                             "(use k3pallas.MXFP8 / k3pallas.MXFP4)")
+        dtype, elem_max, per_byte = want
+        try:
+            got = jnp.dtype(self.dtype)
+        except TypeError:
+            got = None
+        if got != jnp.dtype(dtype):
+            raise TypeError(f"Mx: {self.name} elements (dtype) are {jnp.dtype(dtype).name}, got "
+                            f"{self.dtype!r}")
+        object.__setattr__(self, "dtype", got)
+        if isinstance(self.elem_max, bool) or not isinstance(self.elem_max, (int, float)) \
+                or float(self.elem_max) != elem_max:
+            raise ValueError(f"Mx: {self.name} elem_max is {elem_max}, got {self.elem_max!r}")
+        object.__setattr__(self, "elem_max", float(elem_max))
+        if self.per_byte != per_byte or isinstance(self.per_byte, bool):
+            raise ValueError(f"Mx: {self.name} stores {per_byte} element(s) per byte (per_byte), "
+                             f"got {self.per_byte!r}")
 
     @property
     def scale_dtype(self):
@@ -350,6 +392,10 @@ class Mx(_Blocks):
         v = blocks * inv_scale(code)[..., None]
         data = jnp.clip(v, -self.elem_max, self.elem_max).astype(self.dtype)
         return data.reshape(y.shape), as_e8m0(code)
+
+
+# The OCP MX formats: element dtype, largest element, elements per stored byte.
+_MX_SPECS = {"mxfp8": (jnp.float8_e4m3fn, 448.0, 1), "mxfp4": (jnp.float4_e2m1fn, 6.0, 2)}
 
 
 def _edge_bits(elem_max: float) -> int:
@@ -437,15 +483,20 @@ class Fp8Group(_DeviceFp8, _Blocks):
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
-        if self.dtype is not None:
-            set_("dtype", fp8_lib.fp8_format(self.dtype).dtype)
-        if self.fp8_max is not None:
-            set_("fp8_max", static_positive_float("fp8_max", self.fp8_max, low=FP8_MAX_MIN))
+        try:
             if self.dtype is not None:
-                _check_grid_max(self.fp8_max, self.dtype)
-        set_("eps", static_positive_float("eps", self.eps))
-        if not isinstance(self.ue8m0, bool):
-            raise TypeError(f"ue8m0 must be a bool, got {type(self.ue8m0).__name__}")
+                set_("dtype", _fp8_dtype(self.dtype))
+            if self.fp8_max is not None:
+                set_("fp8_max", static_positive_float("fp8_max", self.fp8_max, low=FP8_MAX_MIN))
+                if self.dtype is not None:
+                    _check_grid_max(self.fp8_max, self.dtype)
+            set_("eps", static_positive_float("eps", self.eps))
+            if not isinstance(self.ue8m0, (bool, np.bool_)):
+                raise TypeError(f"ue8m0 must be True or False, got {self.ue8m0!r} "
+                                f"({type(self.ue8m0).__name__})")
+            set_("ue8m0", bool(self.ue8m0))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"Fp8Group: {e}") from None
 
     def bind(self, dtype) -> "Fp8Group":
         dtype, fp8_max = self._element(dtype)
@@ -687,6 +738,13 @@ class QuantizedActivation:
     def __iter__(self):
         return iter((self.data, self.scale))
 
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        """``qa[0]`` is ``data``, ``qa[1]`` ``scale``: the record reads like vLLM's ``(q, scale)``."""
+        return (self.data, self.scale)[i]
+
     def __repr__(self):
         return (f"QuantizedActivation({self.format.name}: data {_desc(self.data)}, scale "
                 f"{_desc(self.scale)})")
@@ -702,7 +760,12 @@ def _desc(a):
 
 
 def _check_float(dtype, where):
-    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{where}: dtype must be a floating dtype (float32, bfloat16, ...), got "
+                        f"{dtype!r}") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{where}: dtype must be floating, got {jnp.dtype(dtype).name} (the "
                         "values are not integers)")
 
@@ -765,6 +828,13 @@ class QuantizedWeight:
 
     def __iter__(self):
         return iter((self.data, self.scale))
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        """``qw[0]`` is ``data``, ``qw[1]`` ``scale``."""
+        return (self.data, self.scale)[i]
 
     @property
     def shape(self) -> tuple[int, int]:

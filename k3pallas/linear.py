@@ -76,10 +76,8 @@ def quantize_weight(w, out_format, *, layout="nk") -> QuantizedWeight:
         raise ValueError(f"{op}: layout must be 'nk' or 'kn', got {layout!r}")
     try:
         asked = formats.as_format(out_format)
-        if asked.block is None and (asked.min_scale is not None or asked.scale_ub is not None
-                                    or asked.groups != 1):
-            raise ValueError("min_scale, scale_ub and groups apply to activations; a weight has "
-                             "one scale per output channel")
+        if isinstance(asked, formats.Fp8PerToken):  # an activation's format (qa.format, with
+            asked = asked.for_weight()  # min_scale filled in): its activation-only fields go
         fmt = asked.resolve(platform.current_target(w))
         if fmt.block is not None:
             fmt.check_width(w.shape[0], "K (the first dim of w)")
@@ -194,9 +192,13 @@ def linear(qa: QuantizedActivation, qw: QuantizedWeight, *, out_dtype=jnp.bfloat
     if data.shape[-1] != k:
         raise ValueError(f"{op}: qa.data [..., K] and the weight [K, N] = {list(qw.shape)} need the "
                          f"same K; got data {tuple(data.shape)}")
-    out_dtype = jnp.dtype(out_dtype)
+    try:
+        out_dtype = jnp.dtype(out_dtype)
+    except TypeError:
+        pass
     if out_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{op}: out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+        raise TypeError(f"{op}: out_dtype must be float16, bfloat16 or float32, got {out_dtype!r}")
+    _check_precision(op, precision)
     fmt = qa.format
     group = isinstance(fmt, formats.Fp8Group)
     mx = isinstance(fmt, formats.Mx)
@@ -235,6 +237,23 @@ def linear(qa: QuantizedActivation, qw: QuantizedWeight, *, out_dtype=jnp.bfloat
                                    scale.reshape(1, -1, blocks), w_scale[None],
                                    preferred_element_type=jnp.float32)
     return out.reshape(lead + (n,)).astype(out_dtype)
+
+
+_PRECISIONS = (None, "default", "high", "highest", "fastest", "bfloat16", "tensorfloat32",
+               "float32")
+
+
+def _check_precision(op, precision):
+    """None, a ``lax.Precision`` (or its name), a pair of them, or a ``lax.DotAlgorithmPreset``:
+    what ``dot_general`` takes; ValueError naming the op and the argument otherwise."""
+    ok = (lambda p: p is None or isinstance(p, lax.Precision)  # noqa: E731
+          or (isinstance(p, str) and p.lower() in _PRECISIONS[1:]))
+    if ok(precision) or isinstance(precision, lax.DotAlgorithmPreset) or (
+            isinstance(precision, tuple) and len(precision) == 2 and all(map(ok, precision))):
+        return
+    raise ValueError(f"{op}: precision must be None, a jax.lax.Precision (or its name: "
+                     f"'default', 'high', 'highest'), a pair of them or a "
+                     f"jax.lax.DotAlgorithmPreset; got {precision!r}")
 
 
 def _auto(fmt, rows: int, target, precision) -> str:

@@ -245,7 +245,8 @@ def call(name: str, impl, arrays, options: dict, *, fmt, fp8_cast, target: platf
     rule = dataclasses.replace(layout.rule, names=op.operand_names)
     rows = [a for a, t in zip(arrays, rule.sides()[0]) if t[0] == "..."]
     sharding.check_call_shardings(name, impl, rows,
-                                  [(arrays[i], what, block) for i, what, block in layout.whole])
+                                  [(arrays[i], rule.describe(what, i), block)
+                                   for i, what, block in layout.whole])
     if impl == "reference":
         return inference_only(name, _jitted(name, fmt, options, ref), *arrays)
     lead = arrays[0].shape[:arrays[0].ndim - 1]

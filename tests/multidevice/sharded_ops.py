@@ -401,3 +401,14 @@ def test_pallas_linear_sharded(mesh, fmt, layout):
         half = kp.QuantizedWeight(put(mesh, qw.data, *eight), qw.scale, qw.format, qw.layout)
         with pytest.raises(jax.errors.JaxRuntimeError, match="a shard must hold whole blocks"):
             jax.jit(fn)(qa, half)
+
+
+def test_eager_sharding_error_names_the_operand(mesh):
+    """Round 4: the eager error printed a literal ``{}`` where the operand's name belongs."""
+    x = put(mesh, rand(60, (8, 64)), None, "tp")
+    with pytest.raises(ValueError, match=r"rmsnorm: the normalized \(last\) axis of x is sharded") as e:
+        kp.rmsnorm(x, rand(61, (64,)), impl="reference")
+    assert "{}" not in str(e.value)
+    with pytest.raises(ValueError, match=r"add_rmsnorm: the normalized \(last\) axis of residual") as e:
+        kp.add_rmsnorm(rand(62, (8, 64)), x, rand(61, (64,)), impl="reference")
+    assert "{}" not in str(e.value)
