@@ -113,7 +113,9 @@ def weight_from_checkpoint(weight, weight_scale_inv, *, out_format="fp8_group128
     Where the activations' FP8 type is e4m3fnuz (AMD gfx94x: MI300X, MI325X), the e4m3fn
     weight becomes e4m3fnuz as vLLM converts it: the same bits, code 0x80 (e4m3fn's -0,
     e4m3fnuz's NaN) set to 0, the scales doubled (an e4m3fnuz code is worth half the e4m3fn code
-    of the same bits). Raises TypeError / ValueError for anything else, naming the argument.
+    of the same bits). The scale values are not checked: a NaN, infinite, zero or negative entry
+    reaches every product of its block. Raises TypeError / ValueError for anything else, naming
+    the argument.
     """
     op = "weight_from_checkpoint"
     for name, a in (("weight", weight), ("weight_scale_inv", weight_scale_inv)):
