@@ -86,9 +86,10 @@ def test_gemm_against_the_oracle(rng, case):
     out = _run(qa, qw, cfg)
     assert out.shape == (t, n) and out.dtype == jnp.float32
     assert np.all(np.abs(f64(out) - ref) <= 1e-5 * mag + 1e-30), "float32 output vs oracle"
-    out16 = _run(qa, qw, cfg, jnp.bfloat16)
-    assert out16.dtype == jnp.bfloat16  # one rounding of the float32 result
-    np.testing.assert_array_equal(f64(out16), f64(out.astype(jnp.bfloat16)))
+    if case in (CASES[0], CASES[7]):  # a bf16 output: one rounding of the float32 result
+        out16 = _run(qa, qw, cfg, jnp.bfloat16)
+        assert out16.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(f64(out16), f64(out.astype(jnp.bfloat16)))
 
 
 def test_per_tensor_weight_scale_and_leading_axes(rng):
