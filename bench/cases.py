@@ -297,3 +297,22 @@ ALL = tuple(OP_CONFIGS)
 # and time), so the benchmark stops at 4096 there.
 OP_TOKENS = {"kda_output_fp8": (1, 7, 64, 512, 4096), "group_linear": (1, 7, 16, 64, 512, 4096),
              "linear": (1, 7, 16, 64, 512, 4096)}
+
+# The headline suite (``python -m bench --suite headline``): the cases behind the README's table,
+# one device call (about 8 minutes on an H100 / H200): (op, config, token counts).
+HEADLINE = (
+    ("fused_q_kv_rmsnorm", "deepseek-v3-mla", (1, 256, 65536)),
+    ("mla_q_kv_norm", "deepseek-v3-mla", (65536,)),
+    ("rmsnorm_gated_fp8_per_token", "kimi-linear-kda", (65536,)),
+    ("rmsnorm_gated_fp8_per_token", "kimi-k3-kda-tp8", (1, 65536)),
+    ("rmsnorm_gated_mx", "kimi-k3-kda-tp8-mxfp4", (1, 65536)),
+    ("sigmoid_mul_fp8_per_token", "kimi-k3-mla-out", (65536,)),
+    ("add_rmsnorm", "deepseek-v3-hidden", (1, 65536)),
+    ("add_rmsnorm_mx", "deepseek-v3-hidden-mxfp8", (1,)),
+    ("quantize_mx", "deepseek-v3-mla-q-mxfp8", (65536,)),
+    ("linear", "kimi-k3-oproj-tp8-fp8_group128", (1, 16, 64, 512, 4096)),
+    ("linear", "deepseek-v3-mlp-tp8-fp8_group128", (1, 16, 64, 512, 4096)),
+    ("linear", "deepseek-v3-oproj-tp8-fp8_group128", (1, 16)),
+    ("linear", "kimi-k3-oproj-tp8-fp8_per_token", (1, 64, 4096)),
+)
+SUITES = {"headline": HEADLINE}

@@ -254,7 +254,27 @@ def parse_args(argv=None):
                    help="measure nothing: the records of these runs' results.json (runs split "
                         "over several device calls) as one report, written to --out as --name")
     p.add_argument("--name", default="results", help="the report's file stem (default: results)")
+    p.add_argument("--suite", default=None, choices=sorted(cases.SUITES),
+                   help="a named set of cases instead of --ops/--configs/--tokens (headline: the "
+                        "README's table, one device call)")
+    p.add_argument("--resume", default=None, metavar="JSON",
+                   help="continue a run cut short: keep that results.json's cases and measure the "
+                        "rest of the same job list (refused if made at another commit or on "
+                        "another device)")
     return p.parse_args(argv)
+
+
+def resumed(path: str, env: dict) -> list[dict]:
+    """The records of a partial run to continue; SystemExit unless it was made at this commit,
+    on this kind of device, with the same jax."""
+    with open(path) as f:
+        prev = json.load(f)
+    penv = prev.get("environment", {})
+    for key in ("git_commit", "device_kind", "jax", "dtype"):
+        if penv.get(key) != env.get(key):
+            raise SystemExit(f"--resume: {path} was made with {key} {penv.get(key)!r}, this run has "
+                             f"{env.get(key)!r}; a report holds one commit on one device")
+    return list(prev.get("records", []))
 
 
 def merge(paths, out_dir: str, stem: str) -> None:
@@ -309,6 +329,9 @@ def main(argv=None) -> int:
         _log(f"No GPU target ({target.backend}): running the interpret and reference paths; "
              "the numbers are CPU WALL-CLOCK times, not kernel performance.")
     jobs = []
+    if args.suite:
+        op_names = []
+        jobs = [(op, cfg, t) for op, cfg, ts in cases.SUITES[args.suite] for t in ts]
     for op in op_names:
         cfgs = args.configs.split(",") if args.configs else list(cases.OP_CONFIGS[op])
         if op == "linear" and not gpu and not args.configs:  # interpret mode: small sizes
@@ -322,18 +345,28 @@ def main(argv=None) -> int:
             for t in op_tokens:
                 jobs.append((op, cfg, t))
     records = []
+    if args.resume:
+        records = resumed(args.resume, env)
+        done = {(r["op"], r["config"], r["tokens"]) for r in records}
+        _log(f"--resume: {len(done)} cases of {args.resume} kept")
+    else:
+        done = set()
     t_start = time.time()
     env["cases"] = len(jobs)
     weights = [job_weight(op, cfg, t, args.dtype, gpu) for op, cfg, t in jobs]
     _log(f"{len(jobs)} cases; writing {args.out}/{args.name}.md and {args.name}.json after each")
     md = markdown(records, env)
     for i, (op, cfg, t) in enumerate(jobs, 1):
+        if (op, cfg, t) in done:
+            env["cases_done"] = i
+            continue
         case = bench_ops.make_case(op, cfg, t, args.dtype, impl)
         recs = measure(case, gpu, calls, target)
         records += recs
         k = next(r for r in recs if r["variant"] == "k3pallas")
         elapsed = time.time() - t_start
-        left = elapsed * sum(weights[i:]) / sum(weights[:i])
+        left = elapsed * sum(weights[i:]) / max(1e-9, sum(w for w, j in zip(weights[:i], jobs)
+                                                            if j not in done))
         detail = (f"{k['kernels_per_call']} kernels, {_fmt(k['pct_of_copy'], '.0f')}% of copy"
                   if gpu else "CPU wall-clock")
         _log(f"[{i}/{len(jobs)} {elapsed:6.1f}s, ~{left:.0f}s left] {op} {cfg} T={t}: k3pallas "

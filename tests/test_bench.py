@@ -466,3 +466,28 @@ def test_tune_gemm_table_and_write(tmp_path, monkeypatch):
                                   w_block=128) == launch.gemm_heuristic(7, 7000, 1536, sm90, w_block=128)
     finally:
         launch.gemm_tuned_table.cache_clear()
+
+
+def test_resume_and_suites(tmp_path):
+    """``--resume``: a run cut short continues with the same job list, its measured cases kept
+    (not measured again), refused for another commit or device; ``--suite headline`` names
+    cases that exist."""
+    from bench import cases as bench_cases, run as bench_run
+
+    out = tmp_path / "b"
+    argv = ["--ops", "fused_q_kv_rmsnorm", "--tokens", "1,64", "--calls", "2", "--out", str(out)]
+    assert bench_run.main(argv[:3] + ["1"] + argv[4:]) == 0  # the first case only
+    first = json.loads((out / "results.json").read_text())
+    (tmp_path / "partial.json").write_text(json.dumps(first))
+    assert bench_run.main(argv + ["--resume", str(tmp_path / "partial.json")]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert {r["tokens"] for r in data["records"]} == {1, 64}
+    kept = [r for r in data["records"] if r["tokens"] == 1]
+    assert kept == [r for r in first["records"]]  # kept as measured, not measured again
+    assert data["environment"]["cases_done"] == data["environment"]["cases"] == 2
+    other = dict(first, environment=dict(first["environment"], git_commit="0000000"))
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="--resume: .* git_commit '0000000'"):
+        bench_run.main(argv + ["--resume", str(tmp_path / "other.json")])
+    for op, cfg, tokens in bench_cases.HEADLINE:
+        assert cfg in bench_cases.OP_CONFIGS[op] and tokens
