@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -307,3 +308,59 @@ def jax_mx_quantize(y, data_type, block_size=32):
     cfg = BlockScaleConfig(mode="mxfp8", block_size=block_size, data_type=data_type,
                            scale_type=jnp.float8_e8m0fnu, global_scale=None, infer_only=False)
     return quantize(y.astype(jnp.float32), cfg)
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 dots: how often the matrix cores' partial sums are promoted (the GEMM, GemmConfig.mma_acc)
+# ------------------------------------------------------------------------------------------------
+
+FP8_ACC_SUFFIX = re.compile(r"_acc(\d+)$")
+
+
+def fp8_dot_accumulation(name: str, mma_acc: int) -> str:
+    """The kernel name under which a Pallas Triton kernel's FP8 x FP8 dots are lowered with
+    Triton's ``maxNumImpreciseAcc = mma_acc`` (``name`` itself for 0, Pallas' default).
+
+    jax's Triton lowering of ``dot_general`` (``triton_lowering_rules[lax.dot_general_p]``,
+    jax 0.10.2 through 0.12.x) creates ``tt.dot`` without that attribute, i.e. 0: promote
+    every instruction, which makes Triton's Hopper path refuse wgmma for FP8 operands (it
+    converts them to float16 for mma.sync instead). The lowering knows only the kernel's name
+    (``ctx.context.name``) when it runs, after the kernel was traced, so the setting travels in
+    the name as ``_acc<k>``; a wrapper around the rule sets the attribute on the FP8 dots of such
+    kernels. Installed on first use; RuntimeError if this jax's lowering is not the one it was
+    written for."""
+    if not mma_acc:
+        return name
+    _install_fp8_dot_rule()
+    return f"{name}_acc{mma_acc}"
+
+
+_FP8_RULE_INSTALLED = []
+
+
+def _install_fp8_dot_rule() -> None:
+    if _FP8_RULE_INSTALLED:
+        return
+    try:
+        from jax._src.lib.mlir import ir
+        from jax._src.pallas.triton import lowering as triton_lowering
+
+        rules = triton_lowering.triton_lowering_rules
+        original = rules[jax.lax.dot_general_p]
+    except (ImportError, AttributeError, KeyError) as e:
+        raise RuntimeError(f"GemmConfig.mma_acc needs jax's Pallas Triton dot_general lowering "
+                           f"(written for jax 0.10.2 - 0.12.x; this is {jax.__version__}): {e}") from None
+
+    def rule(ctx, a, b, **params):
+        out = original(ctx, a, b, **params)
+        m = FP8_ACC_SUFFIX.search(getattr(ctx.context, "name", "") or "")
+        fp8 = all(jnp.dtype(v.dtype).itemsize == 1 and jnp.issubdtype(v.dtype, jnp.floating)
+                  for v in ctx.avals_in)
+        owner = getattr(out, "owner", None)
+        if m and fp8 and owner is not None and owner.name == "tt.dot":
+            owner.attributes["maxNumImpreciseAcc"] = ir.IntegerAttr.get(
+                ir.IntegerType.get_signless(32), int(m.group(1)))
+        return out
+
+    rules[jax.lax.dot_general_p] = rule
+    _FP8_RULE_INSTALLED.append(rule)

@@ -288,6 +288,24 @@ def test_residual_add_codes_share_the_residual_layout(monkeypatch, case):
     assert r["BAR"] <= 3 and r["STS"] <= 2, r
 
 
+@pytest.mark.slow  # compiles in the nv_xla environment's own process
+@needs_nv_xla
+def test_gemm_fp8_matrix_instructions_on_the_h200(monkeypatch):
+    """The GEMM as XLA's CUDA backend compiles it for sm_90a: by default (Pallas' FP8 dot asks
+    for float32 promotion after every instruction) Triton converts the codes to float16 for
+    mma.sync (F2FP, HMMA); with ``GemmConfig.mma_acc = 128`` it takes Hopper's FP8 wgmma
+    (QGMMA), no conversion; neither spills."""
+    case = "linear:deepseek-v3-mlp-tp8-fp8_group128:4096"
+    monkeypatch.setenv("K3PALLAS_NV_XLA_GEMM", "128,128,128,8,3,0")
+    (d,) = nv_xla.kernels(case, nv_xla.load_env())
+    assert d["HMMA"] > 0 and d["QGMMA"] == 0 and d["spill_stores"] == 0, d
+    monkeypatch.setenv("K3PALLAS_NV_XLA_GEMM", "128,128,128,8,3,0,128")
+    (r,) = nv_xla.kernels(case, nv_xla.load_env())
+    assert r["kernel"].endswith("_acc128") and r["QGMMA"] > 0 and r["HMMA"] == 0, r
+    # F2FP: the bf16 output's packing in both; the codes' float16 conversions in the default only.
+    assert r["F2FP"] < d["F2FP"] and r["spill_stores"] == 0, (r, d)
+
+
 def test_beside_qkv_design_labels():
     """``--designs`` of bench.inspection.beside_qkv (the tool itself needs torch and a GPU)."""
     from bench.inspection import beside_qkv

@@ -183,6 +183,33 @@ def test_configs():
         gemm.check_config(GemmConfig(16, 64, 128, 4, 2), a_group=64, w_scale="channel", k=256)
 
 
+def test_mma_acc_reaches_the_fp8_dot(rng):
+    """``GemmConfig.mma_acc``: the kernel's FP8 dots carry Triton's ``maxNumImpreciseAcc`` (what
+    lets Hopper take wgmma for FP8; the launch is named ``..._acc<k>``); 0 leaves Pallas' dot as
+    it is. Interpret mode computes the same sums either way."""
+    k, n, t = 1536, 7168, 4096
+    dt = jnp.float8_e4m3fn
+    fmt = kp.Fp8Group(dt)
+    qa = kp.QuantizedActivation(S((t, k), dt), S((t, k // 128), jnp.float32), fmt)
+    qw = kp.QuantizedWeight(S((n, k), dt), S((n // 128, k // 128), jnp.float32), fmt)
+    for acc in (0, 128):
+        cfg = GemmConfig(128, 128, 128, 8, 3, mma_acc=acc)
+
+        def f(a, w, cfg=cfg):
+            with hooks.forced(cfg):
+                return kp.linear(a, w, impl="pallas")
+        (ir,) = testing.triton_ir_modules(testing.lower_for(f, (qa, qw), "NVIDIA H200"))
+        assert ir["name"] == "k3pallas_linear_fp8_group128" + (f"_acc{acc}" if acc else "")
+        dots = [line for line in ir["ir"].splitlines() if "tt.dot" in line]
+        want = f"maxNumImpreciseAcc = {acc}"
+        assert dots and all((want in line) == bool(acc) for line in dots), dots[0]
+    qa, qw = _operands(rng, 7, 256, 130, "fp8_group128")
+    np.testing.assert_array_equal(np.asarray(_run(qa, qw, GemmConfig(16, 64, 128, 4, 2, True, 128))),
+                                  np.asarray(_run(qa, qw, GemmConfig(16, 64, 128, 4, 2, True))))
+    with pytest.raises(ValueError, match="mma_acc must be 0 or a power of two >= 32"):
+        GemmConfig(16, 64, 128, 4, 2, mma_acc=16)
+
+
 @pytest.mark.parametrize("target", list(testing.KNOWN_TARGETS.values()), ids=lambda t: t[0])
 @pytest.mark.parametrize("t", [1, 64, 4096])
 def test_one_launch_fp8_operands_into_the_dot(target, t):
@@ -259,14 +286,17 @@ def test_gemm_accumulation_error_on_gpu(rng, fmt):
     from bench import ops as bench_ops
 
     cfg = dict(k=7168, n=512, fmt=fmt)
-    for t, forced in ((16, None), (512, GemmConfig(128, 128, 128, 8, 3))):
+    for t, forced in ((16, None), (512, GemmConfig(128, 128, 128, 8, 3)),
+                      (512, GemmConfig(128, 128, 128, 8, 3, mma_acc=128)),
+                      (16, GemmConfig(16, 64, 128, 4, 4, True, 128))):
         qa, qw = bench_ops.linear_operands(cfg, t, int(rng.integers(2**31)))[:2]
         with hooks.forced(forced) if forced else _nothing():
             out = f64(jax.jit(lambda a, w: kp.linear(a, w, impl="pallas", out_dtype=jnp.float32))(qa, qw))
         ref, mag = _oracle(qa, qw)
         ratio = np.max(np.abs(out - ref) / mag)
         rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
-        print(f"{fmt} T={t} K=7168: max |err| / mag {ratio:.3g}, ||err|| / ||ref|| {rel:.3g}")
+        print(f"{fmt} T={t} {forced and forced.as_entry()} K=7168: max |err| / mag {ratio:.3g}, "
+              f"||err|| / ||ref|| {rel:.3g}")
         assert ratio <= GPU_TOL, ratio
 
 

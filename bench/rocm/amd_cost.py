@@ -86,7 +86,7 @@ def gemm_estimate(r: dict, device: dict) -> dict:
     c = ops.LINEAR[r["config"]]
     m, n, k = r["tokens"], c["n"], c["k"]
     block = c["fmt"] != "fp8_per_token"
-    cfg = launch.gemm_config(r["kernel"][len("k3pallas_"):], m, n, k,
+    cfg = launch.gemm_config(f"linear_{c['fmt']}", m, n, k,
                              target=platform.target_from_name(r["arch"]), w_block=128 if block else None)
     cus = device["core_count"]
     programs = -(-m // cfg.block_m) * -(-n // cfg.block_n)

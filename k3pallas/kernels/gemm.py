@@ -162,7 +162,7 @@ def scaled_matmul(a, a_scale, w, w_scale, *, out_dtype, kn: bool, w_scale_kind: 
         input_output_aliases=call.aliases,
         compiler_params=_compat.triton_compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
-        name=name,
+        name=_compat.fp8_dot_accumulation(name, cfg.mma_acc),
     )(*call.inputs)
     return out
 

@@ -178,6 +178,12 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     swap: bool = False
+    # FP8 products the matrix cores may sum before their partial sum is promoted to float32
+    # registers (Triton's ``maxNumImpreciseAcc``): 0, every instruction, is Pallas' own request
+    # and on Hopper rules out wgmma for FP8 (Triton then converts the codes to float16 for
+    # mma.sync); from 32 Hopper may take wgmma, promoting every ``mma_acc`` products
+    # (``_compat.fp8_dot_accumulation``). NVIDIA only; AMD's matrix cores accumulate in float32.
+    mma_acc: int = 0
 
     def __post_init__(self):
         for name, low in (("block_m", 16), ("block_n", 16), ("block_k", 32), ("num_warps", 1)):
@@ -186,10 +192,13 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name} must be a power of two >= {low}, got {value}")
         if self.num_stages < 1:
             raise ValueError(f"GemmConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.mma_acc and (self.mma_acc < 32 or self.mma_acc & (self.mma_acc - 1)):
+            raise ValueError(f"GemmConfig.mma_acc must be 0 or a power of two >= 32, got "
+                             f"{self.mma_acc}")
 
     def as_entry(self) -> list:
         return [self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages,
-                int(self.swap)]
+                int(self.swap)] + ([self.mma_acc] if self.mma_acc else [])
 
 
 # Rows up to which the GEMM runs its decode form: tokens padded in registers to 16 (the least
@@ -223,7 +232,7 @@ def gemm_heuristic(m: int, n: int, k: int, target: Target, *, w_block: int | Non
 @functools.lru_cache(maxsize=None)
 def gemm_tuned_table() -> dict:
     """The GEMM sweep's choices: {arch: {key: [[max_rows, n, k, bm, bn, bk, warps, stages,
-    swap], ...]}}, looked up by (arch, key, exact n and k) and the smallest ``max_rows`` bucket
+    swap(, mma_acc)], ...]}}, looked up by (arch, key, exact n and k) and the smallest ``max_rows`` bucket
     that holds the row count."""
     try:
         with open(TUNED_PATH) as f:
@@ -254,10 +263,10 @@ def gemm_config(key: str, m: int, n: int, k: int, *, target: Target,
     config = hooks.forced_config()
     if not isinstance(config, GemmConfig):
         config = None
-        for max_rows, en, ek, bm, bn, bk, warps, stages, swap in (
+        for max_rows, en, ek, bm, bn, bk, warps, stages, swap, *acc in (
                 gemm_tuned_table().get(target.arch, {}).get(key, [])):
             if en == n and ek == k and m <= max_rows:
-                config = GemmConfig(bm, bn, bk, warps, stages, bool(swap))
+                config = GemmConfig(bm, bn, bk, warps, stages, bool(swap), *acc)
                 break
         if config is None:
             config = gemm_heuristic(m, n, k, target, w_block=w_block)
