@@ -37,9 +37,12 @@ PER_GROUP_MAX_ROWS = 64
 PER_TOKEN_IMPLS = ("dot_general",)
 # The scaled FP8 GEMM in Pallas (per-token and group FP8): compiled, or in interpret mode.
 PALLAS_IMPLS = ("pallas", "interpret")
-# "auto" on a GPU: the Pallas GEMM for group FP8 at every row count; for per-token FP8 up to
-# this many rows, XLA's cuBLASLt / hipBLASLt GEMM beyond (docs/formats.md, Consumers).
-PALLAS_PER_TOKEN_MAX_ROWS = 1 << 62
+# "auto" on a GPU takes the Pallas GEMM up to these many rows (per-token FP8, group FP8) and the
+# XLA lowerings beyond. Both 0 until the kernel is timed on a GPU against those lowerings (no GPU
+# came in the session that built it, docs/formats.md, Consumers): "auto" keeps the measured XLA
+# paths; impl="pallas" runs the kernel.
+PALLAS_PER_TOKEN_MAX_ROWS = 0
+PALLAS_GROUP_MAX_ROWS = 0
 
 
 def quantize_weight(w, out_format, *, layout="nk") -> QuantizedWeight:
@@ -166,11 +169,11 @@ def linear(qa: QuantizedActivation, qw: QuantizedWeight, *, out_dtype=jnp.bfloat
         which XLA maps onto the FP8 GEMM's accumulation mode); None for the Pallas GEMM (it
         accumulates in float32) and MX (ValueError otherwise); ``impl="reference"`` computes
         at ``Precision.HIGHEST`` whatever is given.
-      impl: "auto": on a GPU the Pallas GEMM for group FP8, and for per-token FP8 up to
-        ``PALLAS_PER_TOKEN_MAX_ROWS`` rows ("dot_general" beyond); MX ``jax.nn.scaled_matmul``;
-        elsewhere the XLA lowerings ("dot_general"; group FP8 "per_group" up to
-        ``PER_GROUP_MAX_ROWS`` rows, else "dequantize"; MX the reference: it has no CPU
-        lowering). "pallas" (a GPU target, RuntimeError otherwise) / "interpret": the Pallas
+      impl: "auto": on a GPU the Pallas GEMM up to ``PALLAS_PER_TOKEN_MAX_ROWS`` /
+        ``PALLAS_GROUP_MAX_ROWS`` rows (0 until timed on a GPU), else, and without a GPU, the
+        XLA lowerings ("dot_general"; group FP8 "per_group" up to ``PER_GROUP_MAX_ROWS`` rows,
+        else "dequantize"); MX ``jax.nn.scaled_matmul`` on a GPU, the reference elsewhere (it
+        has no CPU lowering). "pallas" (a GPU target, RuntimeError otherwise) / "interpret": the Pallas
         GEMM (per-token and group FP8); "reference": the dequantized operands' float32 dot
         (``Precision.HIGHEST``); the XLA lowerings by name: per-token "dot_general"
         (``PER_TOKEN_IMPLS``), group "dequantize", "per_group", "scaled_dot" (``GROUP_IMPLS``,
@@ -263,7 +266,8 @@ def _auto(fmt, rows: int, target, precision) -> str:
     if isinstance(fmt, formats.Mx):
         return "scaled_matmul" if target.is_gpu else "reference"
     group = isinstance(fmt, formats.Fp8Group)
-    if target.is_gpu and precision is None and (group or rows <= PALLAS_PER_TOKEN_MAX_ROWS):
+    most = PALLAS_GROUP_MAX_ROWS if group else PALLAS_PER_TOKEN_MAX_ROWS
+    if target.is_gpu and precision is None and rows <= most:
         return "pallas"
     if group:
         return "per_group" if rows <= PER_GROUP_MAX_ROWS else "dequantize"

@@ -144,21 +144,22 @@ def test_zero_rows_and_impls(rng):
         kp.linear(mx, kp.quantize_weight(jnp.ones((64, 8)), "mxfp8"), impl="pallas")
 
 
-def test_auto_takes_the_kernel_on_a_gpu_target(rng):
-    """"auto" on a GPU target: the Pallas GEMM for group FP8 at any T, for per-token FP8 up to
-    ``PALLAS_PER_TOKEN_MAX_ROWS`` rows; on the CPU the XLA lowerings."""
+def test_auto_takes_the_kernel_up_to_its_row_limits(rng, monkeypatch):
+    """"auto" on a GPU target: the Pallas GEMM up to ``PALLAS_PER_TOKEN_MAX_ROWS`` /
+    ``PALLAS_GROUP_MAX_ROWS`` rows, the XLA lowerings beyond; on the CPU the XLA lowerings."""
     import importlib
 
     linear_mod = importlib.import_module("k3pallas.linear")
-
-    for fmt in ("fp8_group128", "fp8_per_token"):
+    for fmt, limit in (("fp8_group128", "PALLAS_GROUP_MAX_ROWS"),
+                       ("fp8_per_token", "PALLAS_PER_TOKEN_MAX_ROWS")):
         qa, qw = _operands(rng, 4, 256, 64, fmt)
-        on_cpu = str(jax.make_jaxpr(lambda a, w: kp.linear(a, w))(qa, qw))
-        assert "pallas_call" not in on_cpu
-        with kp.compiling_for(platform.target_from_name("sm_90")):
-            on_gpu = str(jax.make_jaxpr(lambda a, w: kp.linear(a, w))(qa, qw))
-        assert ("pallas_call" in on_gpu) == (fmt != "fp8_per_token"
-                                             or 4 <= linear_mod.PALLAS_PER_TOKEN_MAX_ROWS), fmt
+        for most in (3, 4):
+            monkeypatch.setattr(linear_mod, limit, most)
+            on_cpu = str(jax.make_jaxpr(lambda a, w: kp.linear(a, w))(qa, qw))
+            assert "pallas_call" not in on_cpu
+            with kp.compiling_for(platform.target_from_name("sm_90")):
+                on_gpu = str(jax.make_jaxpr(lambda a, w: kp.linear(a, w))(qa, qw))
+            assert ("pallas_call" in on_gpu) == (4 <= most), (fmt, most)
 
 
 def test_configs():
