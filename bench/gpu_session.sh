@@ -4,7 +4,7 @@
 # tests, headline benchmark, one archive).
 # One GPU-machine session: GPU tests, a trace sample, the benchmark and the launch-config sweep,
 # all written under $OUT (the device tool brings that folder back). Usage, on the GPU machine:
-#   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded] [peers] [ncu]
+#   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded] [peers] [ncu] [gemm]
 # e.g. a sweep, then the benchmark and the peers on its table, in one call:
 #   TUNE_ARGS="--ops add_rmsnorm --write" TUNE_APPLY=1 BENCH_ARGS="--ops add_rmsnorm" ... tune bench peers
 # ncu: NCU_CASES="OP:CONFIG:T ..."
@@ -45,6 +45,15 @@ for step in $steps; do
              --section LaunchStats --section Occupancy python3 -m bench.inspection.profile_cases "$c" >>"$OUT/ncu.txt" 2>&1
            echo "ncu $c: rc $?"
          done ;;
+    # The scaled FP8 GEMM: its config sweep written into the tree's table (both matrix-core
+    # forms, GemmConfig.mma_acc), its GPU tests (the K = 7168 error printed), the linear op's
+    # benchmark on that table, and (VLLM_SOURCE: a copy of vLLM's fp8_utils.py; VLLM_CONFIGS:
+    # its configs folder) vLLM's Triton block-scaled GEMM beside it.
+    gemm) timeout ${TUNE_TIMEOUT:-240} python3 -m bench.tune --gemm --write --calls 10 --out "$OUT" 2>"$OUT/tune.log" | tail -34
+          [[ -f "$OUT/tuned_configs.json" ]] && cp "$OUT/tuned_configs.json" k3pallas/kernels/tuned_configs.json
+          XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -m gpu tests/test_gemm.py -q -s -p no:cacheprovider -rfEs 2>&1 | tee "$OUT/gpu_gemm_tests.log" | tail -14
+          timeout ${BENCH_TIMEOUT:-200} python3 -m bench --ops linear --out "$OUT" $BENCH_ARGS 2>"$OUT/bench.log" | grep "^|" | tail -60
+          [[ -n "${VLLM_SOURCE:-}" ]] && timeout ${PEERS_TIMEOUT:-120} python3 -m bench.inspection.beside_gemm --vllm-source "$VLLM_SOURCE" ${VLLM_CONFIGS:+--vllm-configs "$VLLM_CONFIGS"} --out "$OUT" 2>"$OUT/peers.log" | tail -30 ;;
     sharded) timeout ${SHARDED_TIMEOUT:-300} python3 -m bench.inspection.sharded --out "$OUT" 2>"$OUT/sharded.log" | tail -30 ;;
     # The residual add + norm beside Liger's and flash-linear-attention's (their wheels in .whl:
     # carry it; installed under /tmp/site with the image's torch and triton).
