@@ -139,17 +139,23 @@ def gemm_table(points) -> dict:
 
 
 def gemm_markdown(target, points) -> str:
-    lines = [f"# GEMM config sweep on {target.device_kind} ({target.arch})", "",
-             "Device time per call (median) of `linear(impl='pallas')` on pre-quantized operands. "
-             "Configs: [block_m, block_n, block_k, warps, stages, swap]; `heuristic`: "
-             "`launch.gemm_heuristic`.", "",
-             "| config | T | best | best us | heuristic | heuristic us | heuristic / best |",
-             "|---|---|---|---|---|---|---|"]
+    return _sweep_table(
+        f"# GEMM config sweep on {target.device_kind} ({target.arch})",
+        "Device time per call (median) of `linear(impl='pallas')` on pre-quantized operands. "
+        "Configs: [block_m, block_n, block_k, warps, stages, swap(, mma_acc)]; `heuristic`: "
+        "`launch.gemm_heuristic`.", ["config", "T", "best", "best us", "heuristic"], points,
+        lambda p, b, d: [p["config"], p["tokens"], b["config"], f"{b['us']:.2f}", d["config"]])
+
+
+def _sweep_table(title, about, head, points, cells) -> str:
+    """A sweep's report: ``cells(point, best, default)`` then the heuristic's time and ratio."""
+    lines = [title, "", about, "", "| " + " | ".join(head + ["heuristic us", "heuristic / best"])
+             + " |", "|" + "---|" * (len(head) + 2)]
     for p in points:
         b, d = p["best"], p["default"]
         ratio = f"{d['us'] / b['us']:.2f}" if d["us"] else "-"
-        lines.append(f"| {p['config']} | {p['tokens']} | {b['config']} | {b['us']:.2f} | "
-                     f"{d['config']} | {d['us'] if d['us'] is None else format(d['us'], '.2f')} | {ratio} |")
+        us = d["us"] if d["us"] is None else format(d["us"], ".2f")
+        lines.append("| " + " | ".join(map(str, cells(p, b, d) + [us, ratio])) + " |")
     return "\n".join(lines)
 
 # Decode batches (8..256 tokens per step) besides the prefill sizes; each measured T serves the
@@ -274,20 +280,15 @@ def merge(old: dict, new: dict) -> dict:
 
 
 def markdown(target, points) -> str:
-    lines = [f"# Launch-config sweep on {target.device_kind} ({target.arch})", "",
-             "Device time per call (median). `best` is the fastest (rows per program, num_warps, "
-             "and programs per row block where swept); `heuristic` is `launch.heuristic_config`.", "",
-             "| op | config | T | best R, warps(, split) | best us | heuristic R, warps(, split) | heuristic us | heuristic / best |",
-             "|---|---|---|---|---|---|---|---|"]
-    for p in points:
-        b, d = p["best"], p["default"]
-        ratio = f"{d['us'] / b['us']:.2f}" if d["us"] else "-"
-        bs = f", {b['split']}" if b.get("split", 1) > 1 else ""
-        ds = f", {d['split']}" if d.get("split", 1) > 1 else ""
-        lines.append(f"| {p['op']} | {p['config']} | {p['tokens']} | {b['rows']}, {b['warps']}{bs} | "
-                     f"{b['us']:.2f} | {d['rows']}, {d['warps']}{ds} | "
-                     f"{d['us'] if d['us'] is None else format(d['us'], '.2f')} | {ratio} |")
-    return "\n".join(lines)
+    def launch(c):
+        return f"{c['rows']}, {c['warps']}" + (f", {c['split']}" if c.get("split", 1) > 1 else "")
+    return _sweep_table(
+        f"# Launch-config sweep on {target.device_kind} ({target.arch})",
+        "Device time per call (median). `best` is the fastest (rows per program, num_warps, "
+        "and programs per row block where swept); `heuristic` is `launch.heuristic_config`.",
+        ["op", "config", "T", "best R, warps(, split)", "best us", "heuristic R, warps(, split)"],
+        points, lambda p, b, d: [p["op"], p["config"], p["tokens"], launch(b), f"{b['us']:.2f}",
+                                 launch(d)])
 
 
 def write_table(path, target, points, args):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from k3pallas import formats, ops, platform
+from k3pallas import _compat, formats, ops, platform, sharding
 from k3pallas._checks import FLOAT_DTYPES
 from k3pallas.formats import QuantizedActivation, QuantizedWeight
 
@@ -207,7 +207,7 @@ def linear(qa: QuantizedActivation, qw: QuantizedWeight, *, out_dtype=jnp.bfloat
     fmt = qa.format
     group = isinstance(fmt, formats.Fp8Group)
     mx = isinstance(fmt, formats.Mx)
-    impls = ("auto", "reference") + ((("scaled_matmul",)) if mx else PALLAS_IMPLS
+    impls = ("auto", "reference") + (("scaled_matmul",) if mx else PALLAS_IMPLS
                                      + (GROUP_IMPLS if group else PER_TOKEN_IMPLS))
     if impl not in impls:
         raise ValueError(f"{op}: impl must be one of {impls} for {fmt.name}, got {impl!r}")
@@ -219,13 +219,9 @@ def linear(qa: QuantizedActivation, qw: QuantizedWeight, *, out_dtype=jnp.bfloat
     target = platform.current_target(data)
     if impl == "auto":
         impl = _auto(fmt, rows, target, precision)
-    if impl == "pallas" and not target.is_gpu:
-        raise RuntimeError(
-            f"{op}: impl='pallas' needs a GPU target (cuda or rocm); the target here is "
-            f"{target.backend!r}. Use impl='interpret' to run the kernel on the CPU, or "
-            "impl='reference' / 'auto'.")
-    if impl in PALLAS_IMPLS:
-        return _pallas(qa, qw, out_dtype, impl == "interpret", target)
+    if impl in PALLAS_IMPLS:  # the ops' rule: "pallas" without a GPU is a RuntimeError
+        interpret = ops.resolve_impl(impl, op, target) == "interpret"
+        return _pallas(qa, qw, out_dtype, interpret, target)
     if impl == "reference":
         a = qa.dequantize().reshape(-1, k)
         out = jnp.dot(a, qw.dequantize(), precision=lax.Precision.HIGHEST,
@@ -277,7 +273,6 @@ def _auto(fmt, rows: int, target, precision) -> str:
 def _pallas(qa, qw, out_dtype, interpret: bool, target):
     """The Pallas GEMM (``kernels.gemm``) on ``qa`` and ``qw`` as stored: one launch per device,
     partitioned by ``sharding.linear_partitioned`` (tokens and the weight's columns; K refused)."""
-    from k3pallas import _compat, sharding
     from k3pallas.kernels import hooks
 
     fmt = qa.format

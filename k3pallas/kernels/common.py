@@ -272,9 +272,6 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
         nrest = len(shape) - 1
         return pl.BlockSpec((rows, *shape[1:]), lambda i, *_, _n=nrest: (i,) + (0,) * _n)
 
-    def whole_spec(shape):
-        return pl.BlockSpec(tuple(shape), lambda *_, _n=len(shape): (0,) * _n)
-
     for out in out_shapes:
         check_offsets(out.shape, out.dtype)
     row_inputs, shared_inputs, manual = _compat.match_varying(row_inputs, shared_inputs)
@@ -285,17 +282,31 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
                    [row_spec(a.shape) for a in row_inputs] + [whole_spec(a.shape) for a in shared_inputs],
                    list(out_shapes), row_spec, list(out_poison or [float("nan")] * len(out_shapes)),
                    dict(aliases or {}))
+    grid = (pl.cdiv(n_rows, rows),) + ((programs_per_block,) if programs_per_block > 1 else ())
+    return launch_call(call, grid=grid, num_warps=config.num_warps, num_stages=config.num_stages,
+                       interpret=interpret, name=name)
+
+
+def whole_spec(shape):
+    """The BlockSpec of an array every program sees whole (weights; the GEMM's operands)."""
+    return pl.BlockSpec(tuple(shape), lambda *_, _n=len(shape): (0,) * _n)
+
+
+def launch_call(call: RowCall, *, grid, num_warps: int, num_stages: int, interpret: bool,
+                name: str):
+    """ONE ``pallas_call`` of ``call`` (after the tooling's ``wrapping`` hook, if any), its
+    outputs blocked by ``call.row_spec``; returns the outputs."""
     wrapper = hooks.wrapper()
     if wrapper is not None:
         call = wrapper(call)
     return pl.pallas_call(
         call.kernel,
-        grid=(pl.cdiv(n_rows, rows),) + ((programs_per_block,) if programs_per_block > 1 else ()),
+        grid=grid,
         in_specs=call.in_specs,
-        out_specs=[row_spec(o.shape) for o in call.out_shapes],
+        out_specs=[call.row_spec(o.shape) for o in call.out_shapes],
         out_shape=call.out_shapes,
         input_output_aliases=call.aliases,
-        compiler_params=_compat.triton_compiler_params(config.num_warps, config.num_stages),
+        compiler_params=_compat.triton_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name=name,
     )(*call.inputs)
@@ -303,5 +314,5 @@ def row_call(kernel, *, name: str, n_rows: int, config: LaunchConfig, row_inputs
 
 __all__ = ["pow2", "pow2_parts", "tile_index", "lane_index", "row_mask", "flush_to_zero", "exp2",
            "rsqrt", "inv_rms", "row_inv_rms", "act_fn", "abs_bits", "INF_BITS", "both", "load",
-           "store", "row_call", "check_offsets", "as_rows", "RowCall", "Quant", "quant", "launch_name",
+           "store", "row_call", "launch_call", "whole_spec", "check_offsets", "as_rows", "RowCall", "Quant", "quant", "launch_name",
            "residual_add"]

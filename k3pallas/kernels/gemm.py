@@ -31,7 +31,7 @@ from jax import lax
 
 from k3pallas import _compat
 from k3pallas._compat import pl, plgpu
-from k3pallas.kernels import common, hooks
+from k3pallas.kernels import common
 from k3pallas.kernels.launch import GemmConfig
 
 # A weight's block scales: 128 x 128 (the DeepSeek-V3 / Kimi-K2 / Qwen3 FP8 checkpoints).
@@ -143,27 +143,14 @@ def scaled_matmul(a, a_scale, w, w_scale, *, out_dtype, kn: bool, w_scale_kind: 
         out_shape = jax.ShapeDtypeStruct((m, n), out_dtype, manual_axis_type=manual)
     kernel = functools.partial(_kernel, m=m, n=n, k=k, cfg=cfg, a_group=a_group,
                                w_scale=w_scale_kind, kn=kn)
-
-    def whole(shape):  # every program sees whole arrays and indexes its tiles itself
-        return pl.BlockSpec(tuple(shape), lambda *_, _n=len(shape): (0,) * _n)
-
     inputs = [*rows, *shared]
-    call = common.RowCall(kernel, inputs, [whole(x.shape) for x in inputs], [out_shape], whole,
+    spec = common.whole_spec  # every program sees whole arrays and indexes its tiles itself
+    call = common.RowCall(kernel, inputs, [spec(x.shape) for x in inputs], [out_shape], spec,
                           [float("nan")])
-    wrapper = hooks.wrapper()  # tooling: e.g. outputs poisoned with NaN (k3pallas.testing)
-    if wrapper is not None:
-        call = wrapper(call)
-    (out,) = pl.pallas_call(
-        call.kernel,
-        grid=(pl.cdiv(m, cfg.block_m), pl.cdiv(n, cfg.block_n)),
-        in_specs=call.in_specs,
-        out_specs=[whole(o.shape) for o in call.out_shapes],
-        out_shape=call.out_shapes,
-        input_output_aliases=call.aliases,
-        compiler_params=_compat.triton_compiler_params(cfg.num_warps, cfg.num_stages),
-        interpret=interpret,
-        name=_compat.fp8_dot_accumulation(name, cfg.mma_acc),
-    )(*call.inputs)
+    (out,) = common.launch_call(call, grid=(pl.cdiv(m, cfg.block_m), pl.cdiv(n, cfg.block_n)),
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                interpret=interpret,
+                                name=_compat.fp8_dot_accumulation(name, cfg.mma_acc))
     return out
 
 

@@ -107,14 +107,19 @@ def tuned_table() -> dict:
     Entries are looked up by (arch, op, exact padded row size) and the smallest ``max_rows`` bucket
     that holds the row count. Missing file or entry: the heuristic decides.
     """
+    return _load_table("configs", lambda e: (e[1], e[0]))
+
+
+def _load_table(section: str, order) -> dict:
+    """``tuned_configs.json``'s ``section``, each entry list sorted by ``order``; {} without it."""
     try:
         with open(TUNED_PATH) as f:
-            table = json.load(f).get("configs", {})
+            table = json.load(f).get(section, {})
     except FileNotFoundError:
         return {}
     for ops in table.values():
         for entries in ops.values():
-            entries.sort(key=lambda e: (e[1], e[0]))
+            entries.sort(key=order)
     return table
 
 
@@ -143,13 +148,18 @@ def launch_config(op: str, n_rows: int, row_elems: int, max_tile_row_elems: int 
     config, source = hooks.forced_config(), "forced"
     if config is None:
         config, source = _choose(op, n_rows, row_elems, max_tile_row_elems, target, splits)
-    threads = config.num_warps * target.warp_size
-    if threads > target.max_threads:
-        raise ValueError(f"{op}: the {source} launch config {config} has {threads} threads per "
-                         f"program on {target.arch} (warp {target.warp_size}); the limit is "
-                         f"{target.max_threads}")
+    _check_threads(op, source, config, target)
     hooks.record(Launch(op, n_rows, row_elems, max_tile_row_elems, config))
     return config
+
+
+def _check_threads(key, source, config, target) -> None:
+    """ValueError for a config with more threads per program than the target runs."""
+    threads = config.num_warps * target.warp_size
+    if threads > target.max_threads:
+        raise ValueError(f"{key}: the {source} launch config {config} has {threads} threads per "
+                         f"program on {target.arch} (warp {target.warp_size}); the limit is "
+                         f"{target.max_threads}")
 
 
 def _choose(op, n_rows, row_elems, max_tile_row_elems, target, splits) -> LaunchConfig:
@@ -234,15 +244,7 @@ def gemm_tuned_table() -> dict:
     """The GEMM sweep's choices: {arch: {key: [[max_rows, n, k, bm, bn, bk, warps, stages,
     swap(, mma_acc)], ...]}}, looked up by (arch, key, exact n and k) and the smallest ``max_rows`` bucket
     that holds the row count."""
-    try:
-        with open(TUNED_PATH) as f:
-            table = json.load(f).get("gemm_configs", {})
-    except FileNotFoundError:
-        return {}
-    for ops in table.values():
-        for entries in ops.values():
-            entries.sort(key=lambda e: (e[1], e[2], e[0]))
-    return table
+    return _load_table("gemm_configs", lambda e: (e[1], e[2], e[0]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,19 +262,16 @@ def gemm_config(key: str, m: int, n: int, k: int, *, target: Target,
                 w_block: int | None) -> GemmConfig:
     """The GEMM config for launch key ``key`` (``linear_<format>``) on ``target``: forced (a
     ``GemmConfig`` given to ``hooks.forced``), tuned, or ``gemm_heuristic``."""
-    config = hooks.forced_config()
+    config, source = hooks.forced_config(), "forced"
     if not isinstance(config, GemmConfig):
-        config = None
+        config, source = None, "tuned"
         for max_rows, en, ek, bm, bn, bk, warps, stages, swap, *acc in (
                 gemm_tuned_table().get(target.arch, {}).get(key, [])):
             if en == n and ek == k and m <= max_rows:
                 config = GemmConfig(bm, bn, bk, warps, stages, bool(swap), *acc)
                 break
         if config is None:
-            config = gemm_heuristic(m, n, k, target, w_block=w_block)
-    threads = config.num_warps * target.warp_size
-    if threads > target.max_threads:
-        raise ValueError(f"{key}: the launch config {config} has {threads} threads per program on "
-                         f"{target.arch}; the limit is {target.max_threads}")
+            config, source = gemm_heuristic(m, n, k, target, w_block=w_block), "heuristic"
+    _check_threads(key, source, config, target)
     hooks.record(GemmLaunch(key, m, n, k, config))
     return config
