@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax import config
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -412,3 +413,58 @@ def test_eager_sharding_error_names_the_operand(mesh):
     with pytest.raises(ValueError, match=r"add_rmsnorm: the normalized \(last\) axis of residual") as e:
         kp.add_rmsnorm(rand(62, (8, 64)), x, rand(61, (64,)), impl="reference")
     assert "{}" not in str(e.value)
+
+
+# jax 0.10.2 under GSPMD: jax's IndivisibleError surfaces eagerly, and under jit XLA aborts.
+OLD_GSPMD = jax.__version_info__ < (0, 11) and not config.jax_use_shardy_partitioner
+
+
+def _indivisible_cases():
+    """(name, fn, sharded operands, eager outcome) of the layouts that jax's custom_partitioning
+    cannot express under jit on a mesh of one axis of 8: XLA's propagation splits a group / block
+    axis over part of that mesh axis, and jax's conversion of the sharding raises IndivisibleError
+    before any rule of the library runs (docs/sharding.md)."""
+    mesh = Mesh(np.array(jax.devices()).reshape(8), ("tp",))
+    x, g = rand(50, (4, 8, 128)), rand(51, (4, 8, 128))
+    w = jnp.ones((128,), jnp.bfloat16)
+    per_token = kp.Fp8PerToken(groups=2)  # 1 < groups < 8 shards
+    heads, cols = NamedSharding(mesh, P(None, "tp", None)), NamedSharding(mesh, P(None, "tp"))
+    return [
+        ("per-token groups=2, heads over 8", lambda x, g: kp.rmsnorm_gated(
+            x, w, g, out_format=per_token, impl="interpret"),
+         (jax.device_put(x, heads), jax.device_put(g, heads)), None),
+        ("per-token groups=2, columns over 8", lambda a: kp.quantize(a, per_token, impl="interpret"),
+         (jax.device_put(rand(52, (4, 1024)), cols),), None),
+        ("group FP8, 64 columns a shard", lambda a: kp.quantize(a, "fp8_group128", impl="interpret"),
+         (jax.device_put(rand(53, (4, 512)), cols),), r"a shard must hold whole blocks.*multiples of 128"),
+        ("mxfp4, 40 columns a shard", lambda a: kp.quantize(a, "mxfp4", impl="interpret"),
+         (jax.device_put(rand(54, (4, 320)), cols),), r"a shard must hold whole blocks.*multiples of 32"),
+    ]
+
+
+def test_layouts_jax_refuses_under_jit(mesh):
+    """Round 4: the layouts whose jit error comes from jax, not the library, under Shardy and
+    GSPMD alike, stated exactly in docs/sharding.md. If a jax release starts to express them,
+    this test fails and the docs (and the library's own check) must follow. Eagerly the library
+    names the block size, or (per-token groups that do not divide the shards) runs the op (jax
+    0.12; jax 0.10.2 under GSPMD raises IndivisibleError there too). The
+    same per-token groups over a (dp, tp) = (2, 4) mesh run under jit too: there the two groups
+    take dp and the columns within a group tp, a layout jax can name."""
+    for what, fn, args, eager in _indivisible_cases():
+        if eager is None:
+            try:
+                same(fn(*args), fn(*[np.asarray(a) for a in args]), what)
+            except Exception as e:  # noqa: BLE001 - jax 0.10.2 under GSPMD: jax's error eagerly too
+                assert "IndivisibleError" in f"{type(e).__name__}{e}", e
+                assert OLD_GSPMD, e
+            mesh_args = [put(mesh, np.asarray(a), *a.sharding.spec[:-1], ("dp", "tp"))
+                         if a.ndim == 2 else put(mesh, np.asarray(a), None, ("dp", "tp"), None)
+                         for a in args]
+            same(jax.jit(fn)(*mesh_args), fn(*[np.asarray(a) for a in args]), what + ", (2, 4) mesh")
+        else:
+            with pytest.raises(ValueError, match=eager):
+                fn(*args)
+        if OLD_GSPMD:  # XLA aborts the process (CHECK in custom_partition_callback.cc): not testable here
+            continue
+        with pytest.raises(jax.errors.JaxRuntimeError, match=r"IndivisibleError"):
+            jax.jit(fn)(*args)
