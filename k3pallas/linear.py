@@ -37,12 +37,13 @@ PER_GROUP_MAX_ROWS = 64
 PER_TOKEN_IMPLS = ("dot_general",)
 # The scaled FP8 GEMM in Pallas (per-token and group FP8): compiled, or in interpret mode.
 PALLAS_IMPLS = ("pallas", "interpret")
-# "auto" on a GPU takes the Pallas GEMM up to these many rows (per-token FP8, group FP8) and the
-# XLA lowerings beyond. Both 0 until the kernel is timed on a GPU against those lowerings (no GPU
-# came in the session that built it, docs/formats.md, Consumers): "auto" keeps the measured XLA
-# paths; impl="pallas" runs the kernel.
-PALLAS_PER_TOKEN_MAX_ROWS = 0
-PALLAS_GROUP_MAX_ROWS = 0
+# "auto" on a GPU takes the Pallas GEMM up to these many rows (None: any) and the XLA lowerings
+# beyond: the crossovers measured on an H100 (docs/formats.md, Consumers). Group FP8: the kernel
+# beat every XLA lowering at T = 7 ... 4096 on the three model shapes (1.1-9x). Per-token FP8: the
+# kernel up to 16 rows (1.00-1.99x faster than cuBLASLt's FP8 GEMM there); cuBLASLt from 64 rows
+# at K = 7168 and 512 at K <= 2048.
+PALLAS_PER_TOKEN_MAX_ROWS = 16
+PALLAS_GROUP_MAX_ROWS = None
 
 
 def quantize_weight(w, out_format, *, layout="nk") -> QuantizedWeight:
@@ -169,8 +170,8 @@ def linear(qa: QuantizedActivation, qw: QuantizedWeight, *, out_dtype=jnp.bfloat
         which XLA maps onto the FP8 GEMM's accumulation mode); None for the Pallas GEMM (it
         accumulates in float32) and MX (ValueError otherwise); ``impl="reference"`` computes
         at ``Precision.HIGHEST`` whatever is given.
-      impl: "auto": on a GPU the Pallas GEMM up to ``PALLAS_PER_TOKEN_MAX_ROWS`` /
-        ``PALLAS_GROUP_MAX_ROWS`` rows (0 until timed on a GPU), else, and without a GPU, the
+      impl: "auto": on a GPU the Pallas GEMM up to ``PALLAS_PER_TOKEN_MAX_ROWS`` (16) /
+        ``PALLAS_GROUP_MAX_ROWS`` (any) rows, else, and without a GPU, the
         XLA lowerings ("dot_general"; group FP8 "per_group" up to ``PER_GROUP_MAX_ROWS`` rows,
         else "dequantize"); MX ``jax.nn.scaled_matmul`` on a GPU, the reference elsewhere (it
         has no CPU lowering). "pallas" (a GPU target, RuntimeError otherwise) / "interpret": the Pallas
@@ -263,7 +264,7 @@ def _auto(fmt, rows: int, target, precision) -> str:
         return "scaled_matmul" if target.is_gpu else "reference"
     group = isinstance(fmt, formats.Fp8Group)
     most = PALLAS_GROUP_MAX_ROWS if group else PALLAS_PER_TOKEN_MAX_ROWS
-    if target.is_gpu and precision is None and rows <= most:
+    if target.is_gpu and precision is None and (most is None or rows <= most):
         return "pallas"
     if group:
         return "per_group" if rows <= PER_GROUP_MAX_ROWS else "dequantize"

@@ -225,11 +225,14 @@ def test_one_launch_fp8_operands_into_the_dot(target, t):
         qw = kp.QuantizedWeight(S((n, k), dtype), S((n // 128, k // 128) if group else (n,), jnp.float32), fmt)
         lowered = testing.lower_for(lambda a, w: kp.linear(a, w, impl="pallas"), (qa, qw), kind, plat)
         (call,) = testing.triton_launches(lowered.as_text())
-        assert call["name"] == f"k3pallas_linear_{fmt.name}"
+        # FP8 wgmma (GemmConfig.mma_acc) where the config takes it: Hopper only
+        assert call["name"] in [f"k3pallas_linear_{fmt.name}" + s for s in ("", "_acc128")[:1 + (kind == "NVIDIA H200")]]
+        hopper = call["name"].endswith("_acc128")
         (ir,) = testing.triton_ir_modules(lowered)
         f8 = "f8E4M3FNUZ" if kind == "MI300X" else "f8E4M3FN"
         dots = [line for line in ir["ir"].splitlines() if "tt.dot" in line]
         assert dots and all(f8 in line for line in dots), dots[:2]
+        assert all(("maxNumImpreciseAcc = 128" in line) == hopper for line in dots), dots[:2]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -216,27 +216,37 @@ class GemmConfig:
 # streams a part of the weight (a decode GEMM reads its weight once: its floor is the weight's
 # bytes over the memory bandwidth).
 GEMM_DECODE_ROWS = 16
-_GEMM_PROGRAMS_PER_CORE = 2
+_GEMM_PROGRAMS_PER_CORE = 2  # AMD decode tiles
 
 
 def gemm_heuristic(m: int, n: int, k: int, target: Target, *, w_block: int | None) -> GemmConfig:
     """The default GEMM config: a pure function of the problem and the target. ``w_block``: the
     weight's scale blocks along N (128), which a program's columns may not cross; None for
-    per-channel or per-tensor weight scales."""
+    per-channel or per-tensor weight scales.
+
+    NVIDIA: the tiles that won (or came within 7 % of the winner) at every shape of the H100
+    sweep (docs/formats.md, Consumers): decode the swapped 16 x 64 tile, 6 stages; up to 128
+    rows 64 x 64; beyond, 64 x 128, 3 stages; on Hopper with FP8 wgmma (``mma_acc`` 128). AMD
+    (not timed): 16-row decode tiles narrow enough for two programs a CU, 2 stages."""
     amd = target.backend == "rocm"
     if not target.is_gpu:  # interpret mode: large tiles, few programs
         return GemmConfig(16 if m <= 16 else 32, 64, 128, 4, 1)
     cap_n = w_block or 256
+    if amd:
+        if m <= GEMM_DECODE_ROWS:
+            bn = min(cap_n, 128)
+            while bn > 16 and -(-n // bn) < _GEMM_PROGRAMS_PER_CORE * target.num_cores:
+                bn //= 2
+            return GemmConfig(16, bn, 128, 4, 2)
+        if m <= 128:
+            return GemmConfig(16 if m <= 32 else 64, min(cap_n, 64), 128, 4, 2)
+        return GemmConfig(128, min(cap_n, 128), 64, 8, 2)
+    wgmma = 128 if target.arch.startswith("sm_90") else 0
     if m <= GEMM_DECODE_ROWS:
-        bn = min(cap_n, 128)
-        while bn > 16 and -(-n // bn) < _GEMM_PROGRAMS_PER_CORE * target.num_cores:
-            bn //= 2
-        return GemmConfig(16, bn, 128, 4, 2 if amd else 4, swap=not amd and bn >= 64)
+        return GemmConfig(16, 64, 128, 4, 6, swap=True, mma_acc=wgmma)
     if m <= 128:
-        bm = 16 if m <= 32 else 64
-        bn = min(cap_n, 64)
-        return GemmConfig(bm, bn, 128, 4, 2 if amd else 4)
-    return GemmConfig(128, min(cap_n, 128), 64 if amd else 128, 8, 2 if amd else 3)
+        return GemmConfig(64, 64, 128, 4, 4, mma_acc=wgmma)
+    return GemmConfig(64, min(cap_n, 128), 128, 4, 3, mma_acc=wgmma)
 
 
 @functools.lru_cache(maxsize=None)
