@@ -12,6 +12,8 @@ import pytest
 
 # Fresh data every run; K3PALLAS_TEST_SEED=<n> replays a run.
 SEED = int(os.environ.get("K3PALLAS_TEST_SEED", random.SystemRandom().randrange(2**31)))
+# pytest-xdist's workers start from this process's environment: one seed for the whole run.
+os.environ["K3PALLAS_TEST_SEED"] = str(SEED)
 
 
 def pytest_report_header(config):
