@@ -56,7 +56,7 @@ for step in $steps; do
           [[ -f "$OUT/tuned_configs.json" ]] && cp "$OUT/tuned_configs.json" k3pallas/kernels/tuned_configs.json
           XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TESTS_TIMEOUT:-90} python3 -m pytest -m gpu tests/test_gemm.py -q -s -p no:cacheprovider -rfEs 2>&1 | tee "$OUT/gpu_gemm_tests.log" | tail -14
           timeout ${BENCH_TIMEOUT:-200} python3 -m bench --ops linear --out "$OUT" $BENCH_ARGS 2>/dev/null | grep "^|" | tail -60
-          rm -f "$OUT/results.png"
+          rm -f "$OUT/results.png" "$OUT/tune.md"  # tune.json holds its points (bench.tune.gemm_markdown)
           [[ -n "${VLLM_SOURCE:-}" ]] && timeout ${PEERS_TIMEOUT:-60} python3 -m bench.inspection.beside_gemm --vllm-source "$VLLM_SOURCE" ${VLLM_CONFIGS:+--vllm-configs "$VLLM_CONFIGS"} --out "$OUT" 2>/dev/null | tail -30 ;;
     sharded) timeout ${SHARDED_TIMEOUT:-300} python3 -m bench.inspection.sharded --out "$OUT" 2>"$OUT/sharded.log" | tail -30 ;;
     # The residual add + norm beside Liger's and flash-linear-attention's (their wheels in .whl:
