@@ -153,13 +153,15 @@ def test_auto_takes_the_kernel_up_to_its_row_limits(rng, monkeypatch):
     for fmt, limit in (("fp8_group128", "PALLAS_GROUP_MAX_ROWS"),
                        ("fp8_per_token", "PALLAS_PER_TOKEN_MAX_ROWS")):
         qa, qw = _operands(rng, 4, 256, 64, fmt)
-        for most in (3, 4):
+        for most in (3, 4, None):  # None: any row count
             monkeypatch.setattr(linear_mod, limit, most)
             on_cpu = str(jax.make_jaxpr(lambda a, w: kp.linear(a, w))(qa, qw))
             assert "pallas_call" not in on_cpu
             with kp.compiling_for(platform.target_from_name("sm_90")):
                 on_gpu = str(jax.make_jaxpr(lambda a, w: kp.linear(a, w))(qa, qw))
-            assert ("pallas_call" in on_gpu) == (4 <= most), (fmt, most)
+                given = str(jax.make_jaxpr(lambda a, w: kp.linear(a, w, precision="highest"))(qa, qw))
+            assert ("pallas_call" in on_gpu) == (most is None or 4 <= most), (fmt, most)
+            assert "pallas_call" not in given  # precision asks for an XLA lowering
 
 
 def test_configs():
