@@ -312,7 +312,7 @@ def write_table(path, target, points, args):
     data["note"] = ("written by python -m bench.tune --write; configs: [max_tokens, padded row "
                     "elements, rows_per_program, num_warps, num_stages(, split)]; gemm_configs "
                     "(--gemm): [max_tokens, n, k, block_m, block_n, block_k, num_warps, "
-                    "num_stages, swap]")
+                    "num_stages, swap(, mma_acc)]")
     sources = data.setdefault("sources", {})
     kinds = [k for k in str(sources.get(target.arch, {}).get("device_kind") or "").split(", ") if k]
     # Every device whose sweep wrote entries of this arch (a partial sweep keeps the others').
