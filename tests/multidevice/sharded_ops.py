@@ -457,8 +457,7 @@ def test_layouts_jax_refuses_under_jit(mesh):
             except Exception as e:  # noqa: BLE001 - jax 0.10.2 under GSPMD: jax's error eagerly too
                 assert "IndivisibleError" in f"{type(e).__name__}{e}", e
                 assert OLD_GSPMD, e
-            mesh_args = [put(mesh, np.asarray(a), *a.sharding.spec[:-1], ("dp", "tp"))
-                         if a.ndim == 2 else put(mesh, np.asarray(a), None, ("dp", "tp"), None)
+            mesh_args = [put(mesh, np.asarray(a), *[("dp", "tp") if s == "tp" else s for s in a.sharding.spec])
                          for a in args]
             same(jax.jit(fn)(*mesh_args), fn(*[np.asarray(a) for a in args]), what + ", (2, 4) mesh")
         else:
