@@ -65,12 +65,15 @@ def gemm_candidates(t: int, block_scales: bool, amd: bool = False) -> list:
         if not block_scales:
             c += [C(128, 256, 128, 8, 3), C(128, 256, 64, 8, 4), C(256, 128, 64, 8, 3)]
     if amd:  # LDS: 64 KB on gfx942; 16 wavefronts of 64 at most
-        return [x for x in c if x.num_warps <= 8 and (x.block_m + x.block_n) * x.block_k * x.num_stages <= 64 << 10]
+        c = [x for x in c if x.num_warps <= 8 and (x.block_m + x.block_n) * x.block_k * x.num_stages <= 64 << 10]
+        return c + [dataclasses.replace(x, scale_prefetch=True) for x in c] if block_scales else c
     # Hopper: each tile whose matrix-core M reaches 64 also with its partial sums promoted every
     # 128 products (GemmConfig.mma_acc), the FP8 wgmma (QGMMA) Triton takes then, instead of
     # float16 mma.sync on converted codes (docs/formats.md).
     wide = [x for x in c if (x.block_n if x.swap else x.block_m) >= 64 and x.num_warps % 4 == 0]
-    return c + [dataclasses.replace(x, mma_acc=128) for x in wide]
+    c = c + [dataclasses.replace(x, mma_acc=128) for x in wide]
+    # Block scales change along K: each tile also with them loaded a step early (scale_prefetch).
+    return c + [dataclasses.replace(x, scale_prefetch=True) for x in c] if block_scales else c
 
 
 def gemm_sweep(configs, tokens, calls, log=print, on_point=None):
@@ -121,7 +124,7 @@ def gemm_sweep(configs, tokens, calls, log=print, on_point=None):
 
 
 def gemm_table(points) -> dict:
-    """{launch key: [[max_tokens, n, k, bm, bn, bk, warps, stages, swap(, mma_acc)], ...]}: each measured T
+    """{launch key: [[max_tokens, n, k, bm, bn, bk, warps, stages, swap(, mma_acc(, scale_prefetch))], ...]}: each measured T
     serves token counts up to the geometric mean with the next measured one, the largest all
     above it. UE8M0 takes the float32 group's entries (the same kernel)."""
     out = {}
@@ -142,7 +145,7 @@ def gemm_markdown(target, points) -> str:
     return _sweep_table(
         f"# GEMM config sweep on {target.device_kind} ({target.arch})",
         "Device time per call (median) of `linear(impl='pallas')` on pre-quantized operands. "
-        "Configs: [block_m, block_n, block_k, warps, stages, swap(, mma_acc)]; `heuristic`: "
+        "Configs: [block_m, block_n, block_k, warps, stages, swap(, mma_acc(, scale_prefetch))]; `heuristic`: "
         "`launch.gemm_heuristic`.", ["config", "T", "best", "best us", "heuristic"], points,
         lambda p, b, d: [p["config"], p["tokens"], b["config"], f"{b['us']:.2f}", d["config"]])
 
@@ -312,7 +315,7 @@ def write_table(path, target, points, args):
     data["note"] = ("written by python -m bench.tune --write; configs: [max_tokens, padded row "
                     "elements, rows_per_program, num_warps, num_stages(, split)]; gemm_configs "
                     "(--gemm): [max_tokens, n, k, block_m, block_n, block_k, num_warps, "
-                    "num_stages, swap(, mma_acc)]")
+                    "num_stages, swap(, mma_acc(, scale_prefetch))]")
     sources = data.setdefault("sources", {})
     kinds = [k for k in str(sources.get(target.arch, {}).get("device_kind") or "").split(", ") if k]
     # Every device whose sweep wrote entries of this arch (a partial sweep keeps the others').

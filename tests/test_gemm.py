@@ -65,14 +65,17 @@ CASES = [
     # (T, K, N, format, layout, forced config or None)
     (1, 256, 200, "fp8_group128", "nk", None),
     (1, 128, 200, "fp8_group128", "nk", GemmConfig(16, 64, 128, 4, 2, swap=True)),
-    (7, 384, 200, "fp8_group128_ue8m0", "kn", GemmConfig(16, 128, 128, 4, 2, swap=True)),
+    (7, 384, 200, "fp8_group128_ue8m0", "kn", GemmConfig(16, 128, 128, 4, 2, swap=True,
+                                                         scale_prefetch=True)),
     (7, 384, 130, G8(jnp.float8_e4m3fnuz), "nk", GemmConfig(16, 32, 64, 4, 2)),
-    (33, 256, 200, "fp8_group128", "kn", GemmConfig(32, 64, 128, 4, 2)),
+    (33, 256, 200, "fp8_group128", "kn", GemmConfig(32, 64, 128, 4, 2, scale_prefetch=True)),
     (33, 384, 130, G8(jnp.float8_e4m3fnuz, ue8m0=True), "kn", None),
-    (33, 256, 136, G8(jnp.float8_e5m2), "nk", GemmConfig(16, 16, 32, 4, 1)),
+    (33, 256, 136, G8(jnp.float8_e5m2), "nk", GemmConfig(16, 16, 32, 4, 1, scale_prefetch=True)),
     (1, 200, 72, "fp8_per_token", "nk", None),
-    (7, 200, 72, kp.Fp8PerToken(jnp.float8_e4m3fnuz), "kn", GemmConfig(16, 64, 64, 4, 2, True)),
-    (33, 320, 100, kp.Fp8PerToken(jnp.float8_e5m2, groups=5), "nk", GemmConfig(32, 32, 64, 4, 2)),
+    (7, 200, 72, kp.Fp8PerToken(jnp.float8_e4m3fnuz), "kn", GemmConfig(16, 64, 64, 4, 2, True,
+                                                                       scale_prefetch=True)),
+    (33, 320, 100, kp.Fp8PerToken(jnp.float8_e5m2, groups=5), "nk",
+     GemmConfig(32, 32, 64, 4, 2, scale_prefetch=True)),
     (33, 256, 100, kp.Fp8PerToken(groups=2), "kn", GemmConfig(16, 128, 128, 4, 2, True)),
 ]
 

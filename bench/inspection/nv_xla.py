@@ -19,7 +19,7 @@ closer than ``bench.inspection.nv_regs`` (pip triton's pipeline); not a predicto
 ``PROGRAM_EXTRA`` here), listing what XLA's CUDA backend launches for it: fusions and custom calls
 (cuBLASLt GEMMs), as the H200 would run them before autotuning.
 ``K3PALLAS_NV_XLA_CONFIG=ROWS,WARPS`` compiles the cases with that launch config (a sweep's
-candidates before a GPU times them); ``K3PALLAS_NV_XLA_GEMM=BM,BN,BK,WARPS,STAGES,SWAP[,MMA_ACC]`` the GEMM
+candidates before a GPU times them); ``K3PALLAS_NV_XLA_GEMM=BM,BN,BK,WARPS,STAGES,SWAP[,MMA_ACC[,SCALE_PREFETCH]]`` the GEMM
 (``linear:CONFIG:T``, a ``bench.cases.LINEAR`` config) with that ``GemmConfig``. ``K3PALLAS_NV_XLA_FLAGS`` adds XLA flags for an experiment
 (``--xla_gpu_ftz=true``: the kernels with flush-to-zero). ``denormal_guards``: the ``FSETP`` range checks that ``ex2.approx`` /
 ``rsqrt.approx`` without flush-to-zero expand to (each with two predicated multiplies).
@@ -163,8 +163,7 @@ def _compile_in_env(case: str, env: dict) -> None:
     if gemm:
         from k3pallas.kernels.launch import GemmConfig
 
-        bm, bn, bk, warps, stages, swap, *acc = map(int, gemm.split(","))
-        config = GemmConfig(bm, bn, bk, warps, stages, bool(swap), *acc)
+        config = GemmConfig.from_entry(list(map(int, gemm.split(","))))
     with jax.set_mesh(mesh), (hooks.forced(config) if config else contextlib.nullcontext()):
         jax.jit(fn).trace(*structs).lower().compile()
 

@@ -71,7 +71,29 @@ def _kernel(a_ref, as_ref, w_ref, ws_ref, o_ref, *, m: int, n: int, k: int, cfg:
             return w_s.reshape(-1, 1) * a_s.reshape(1, -1)
         return a_s * w_s
 
-    def body(i, acc):
+    def step_scales(i):
+        """Step ``i``'s K-varying scales, ``(a_s [BM, 1] or None, w_s [1, 1] or None)``; the step
+        after the last reads the last one's (the prefetch beyond the loop, never used)."""
+        i = jnp.minimum(i, steps - 1)
+        a_s = (plgpu.load(as_ref.at[pl.ds(m0, bm), pl.ds(i // a_steps, 1)], mask=m_ok[:, None],
+                          other=0.0) if in_loop_a else None)
+        w_s = None
+        if in_loop_w:  # the program's columns lie in one 128-block (BN divides 128)
+            kb = (i * bk) // W_BLOCK
+            nb = n0 // W_BLOCK
+            w_s = plgpu.load(ws_ref.at[pl.ds(kb, 1), pl.ds(nb, 1)] if kn
+                             else ws_ref.at[pl.ds(nb, 1), pl.ds(kb, 1)])  # [1, 1]
+        return a_s, w_s
+
+    # With ``scale_prefetch`` the K-varying scales are loaded one step before their use and
+    # carried through the loop: Triton pipelines only the dot's operands, so a scale loaded in its
+    # own step stalls every step on a global load's latency. One step, not more: Triton's
+    # pipeliner skips a loop with a loop-carried distance over one (docs/formats.md, Consumers).
+    in_loop = in_loop_a or in_loop_w
+    prefetch = cfg.scale_prefetch and in_loop
+
+    def body(i, carry):
+        acc, scales = carry
         ks = i * bk + jnp.arange(bk, dtype=jnp.int32)
         k_ok = ks < k if k_tail else None
         a_mask = common.both(m_ok[:, None], None if k_ok is None else k_ok[None, :])
@@ -83,24 +105,19 @@ def _kernel(a_ref, as_ref, w_ref, ws_ref, o_ref, *, m: int, n: int, k: int, cfg:
             w_mask = common.both(n_ok[:, None], None if k_ok is None else k_ok[None, :])
             w = plgpu.load(w_ref.at[pl.ds(n0, bn), pl.ds(i * bk, bk)], mask=w_mask, other=w_zero)
         part = tile_dot(a, w)
-        if not (in_loop_a or in_loop_w):
-            return acc + part
-        a_s = (plgpu.load(as_ref.at[pl.ds(m0, bm), pl.ds(i // a_steps, 1)], mask=m_ok[:, None],
-                          other=0.0) if in_loop_a else None)  # [BM, 1]
-        w_s = None
-        if in_loop_w:  # the program's columns lie in one 128-block (BN divides 128)
-            kb = (i * bk) // W_BLOCK
-            nb = n0 // W_BLOCK
-            w_s = plgpu.load(ws_ref.at[pl.ds(kb, 1), pl.ds(nb, 1)] if kn
-                             else ws_ref.at[pl.ds(nb, 1), pl.ds(kb, 1)])  # [1, 1]
+        if not in_loop:
+            return acc + part, scales
+        a_s, w_s = scales if prefetch else step_scales(i)
+        scales = step_scales(i + 1) if prefetch else scales
         if a_s is None:
-            return acc + part * w_s
+            return acc + part * w_s, scales
         if w_s is None:
-            return acc + part * (a_s if not cfg.swap else a_s.reshape(1, -1))
-        return acc + part * outer(a_s, w_s)
+            return acc + part * (a_s if not cfg.swap else a_s.reshape(1, -1)), scales
+        return acc + part * outer(a_s, w_s), scales
 
     shape = (bn, bm) if cfg.swap else (bm, bn)
-    acc = lax.fori_loop(0, steps, body, jnp.zeros(shape, jnp.float32))
+    first = step_scales(0) if prefetch else ()
+    acc, _ = lax.fori_loop(0, steps, body, (jnp.zeros(shape, jnp.float32), first))
     # Scales constant along K: once, at the end.
     if not in_loop_a:
         a_s = plgpu.load(as_ref.at[pl.ds(m0, bm), pl.ds(0, 1)], mask=m_ok[:, None], other=0.0)

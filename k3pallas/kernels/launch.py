@@ -194,6 +194,9 @@ class GemmConfig:
     # mma.sync); from 32 Hopper may take wgmma, promoting every ``mma_acc`` products
     # (``_compat.fp8_dot_accumulation``). NVIDIA only; AMD's matrix cores accumulate in float32.
     mma_acc: int = 0
+    # Load the scales that change along K (group FP8, per-token groups) one K step before their
+    # use, carried through the loop; False: in their own step (a global load's latency in each).
+    scale_prefetch: bool = False
 
     def __post_init__(self):
         for name, low in (("block_m", 16), ("block_n", 16), ("block_k", 32), ("num_warps", 1)):
@@ -207,8 +210,16 @@ class GemmConfig:
                              f"{self.mma_acc}")
 
     def as_entry(self) -> list:
+        tail = [self.mma_acc, 1] if self.scale_prefetch else (
+            [self.mma_acc] if self.mma_acc else [])
         return [self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages,
-                int(self.swap)] + ([self.mma_acc] if self.mma_acc else [])
+                int(self.swap)] + tail
+
+    @classmethod
+    def from_entry(cls, entry) -> "GemmConfig":
+        """The config of an ``as_entry`` list (a tuned table's entry without its first three)."""
+        bm, bn, bk, warps, stages, swap, *rest = entry
+        return cls(bm, bn, bk, warps, stages, bool(swap), *rest[:1], *map(bool, rest[1:2]))
 
 
 # Rows up to which the GEMM runs its decode form: tokens padded in registers to 16 (the least
@@ -252,7 +263,7 @@ def gemm_heuristic(m: int, n: int, k: int, target: Target, *, w_block: int | Non
 @functools.lru_cache(maxsize=None)
 def gemm_tuned_table() -> dict:
     """The GEMM sweep's choices: {arch: {key: [[max_rows, n, k, bm, bn, bk, warps, stages,
-    swap(, mma_acc)], ...]}}, looked up by (arch, key, exact n and k) and the smallest ``max_rows`` bucket
+    swap(, mma_acc(, scale_prefetch))], ...]}}, looked up by (arch, key, exact n and k) and the smallest ``max_rows`` bucket
     that holds the row count."""
     return _load_table("gemm_configs", lambda e: (e[1], e[2], e[0]))
 
@@ -275,10 +286,9 @@ def gemm_config(key: str, m: int, n: int, k: int, *, target: Target,
     config, source = hooks.forced_config(), "forced"
     if not isinstance(config, GemmConfig):
         config, source = None, "tuned"
-        for max_rows, en, ek, bm, bn, bk, warps, stages, swap, *acc in (
-                gemm_tuned_table().get(target.arch, {}).get(key, [])):
+        for max_rows, en, ek, *entry in gemm_tuned_table().get(target.arch, {}).get(key, []):
             if en == n and ek == k and m <= max_rows:
-                config = GemmConfig(bm, bn, bk, warps, stages, bool(swap), *acc)
+                config = GemmConfig.from_entry(entry)
                 break
         if config is None:
             config, source = gemm_heuristic(m, n, k, target, w_block=w_block), "heuristic"
