@@ -48,7 +48,10 @@ def gemm_candidates(t: int, block_scales: bool, amd: bool = False) -> list:
     if t <= 16:
         c = [C(16, 16, 128, 4, 4), C(16, 32, 128, 4, 4), C(16, 32, 128, 4, 6), C(16, 64, 128, 4, 4),
              C(16, 64, 128, 4, 4, True), C(16, 64, 128, 4, 6, True), C(16, 128, 128, 4, 4, True),
-             C(16, 128, 128, 8, 4, True), C(16, 32, 128, 2, 4), C(16, 16, 128, 2, 6)]
+             C(16, 128, 128, 8, 4, True), C(16, 32, 128, 2, 4), C(16, 16, 128, 2, 6),
+             # deep pipelines: most of a short K in flight at once
+             C(16, 64, 128, 4, 8, True), C(16, 64, 128, 4, 12, True), C(16, 32, 128, 4, 8),
+             C(16, 32, 128, 4, 12), C(16, 16, 128, 2, 12)]
         if not block_scales:
             c += [C(16, 32, 256, 4, 4), C(16, 64, 256, 4, 3, True)]
     elif t <= 128:
