@@ -51,7 +51,11 @@ def gemm_candidates(t: int, block_scales: bool, amd: bool = False) -> list:
              C(16, 128, 128, 8, 4, True), C(16, 32, 128, 2, 4), C(16, 16, 128, 2, 6),
              # deep pipelines: most of a short K in flight at once
              C(16, 64, 128, 4, 8, True), C(16, 64, 128, 4, 12, True), C(16, 32, 128, 4, 8),
-             C(16, 32, 128, 4, 12), C(16, 16, 128, 2, 12)]
+             C(16, 32, 128, 4, 12), C(16, 16, 128, 2, 12),
+             # 2 or 4 K steps an iteration (stages count iterations: the same bytes in flight)
+             C(16, 64, 128, 4, 4, True, k_unroll=2), C(16, 64, 128, 4, 6, True, k_unroll=2),
+             C(16, 64, 128, 4, 3, True, k_unroll=4), C(16, 32, 128, 4, 4, k_unroll=2),
+             C(16, 32, 128, 4, 6, k_unroll=2)]
         if not block_scales:
             c += [C(16, 32, 256, 4, 4), C(16, 64, 256, 4, 3, True)]
     elif t <= 128:
@@ -126,10 +130,11 @@ def gemm_sweep(configs, tokens, calls, log=print, on_point=None):
     return target, points
 
 
-def gemm_table(points) -> dict:
-    """{launch key: [[max_tokens, n, k, bm, bn, bk, warps, stages, swap(, mma_acc(, scale_prefetch))], ...]}: each measured T
+def gemm_table(points, up_to: int | None = None) -> dict:
+    """{launch key: [[max_tokens, n, k, bm, bn, bk, warps, stages, swap(, mma_acc(, scale_prefetch(, k_unroll)))], ...]}: each measured T
     serves token counts up to the geometric mean with the next measured one, the largest all
-    above it. UE8M0 takes the float32 group's entries (the same kernel)."""
+    above it (or up to ``up_to``: a sweep of part of the range). UE8M0 takes the float32
+    group's entries (the same kernel)."""
     out = {}
     by_shape = {}
     for p in points:
@@ -137,7 +142,8 @@ def gemm_table(points) -> dict:
     for (key, n, k), ps in sorted(by_shape.items()):
         ps.sort(key=lambda p: p["tokens"])
         for i, p in enumerate(ps):
-            upper = int(math.sqrt(p["tokens"] * ps[i + 1]["tokens"])) if i + 1 < len(ps) else 2**31
+            upper = (int(math.sqrt(p["tokens"] * ps[i + 1]["tokens"])) if i + 1 < len(ps)
+                     else up_to or 2**31)
             keys = [key] + (["linear_fp8_group128_ue8m0"] if key == "linear_fp8_group128" else [])
             for kk in keys:
                 out.setdefault(kk, []).append([upper, n, k, *p["best"]["config"]])
@@ -148,7 +154,7 @@ def gemm_markdown(target, points) -> str:
     return _sweep_table(
         f"# GEMM config sweep on {target.device_kind} ({target.arch})",
         "Device time per call (median) of `linear(impl='pallas')` on pre-quantized operands. "
-        "Configs: [block_m, block_n, block_k, warps, stages, swap(, mma_acc(, scale_prefetch))]; `heuristic`: "
+        "Configs: [block_m, block_n, block_k, warps, stages, swap(, mma_acc(, scale_prefetch(, k_unroll)))]; `heuristic`: "
         "`launch.gemm_heuristic`.", ["config", "T", "best", "best us", "heuristic"], points,
         lambda p, b, d: [p["config"], p["tokens"], b["config"], f"{b['us']:.2f}", d["config"]])
 
@@ -307,8 +313,11 @@ def write_table(path, target, points, args):
     configs = data.setdefault("configs", {})
     if getattr(args, "gemm", False):
         gemm = data.setdefault("gemm_configs", {})
-        new = gemm_table(points)
-        old = {key: [e for e in entries if not any(e[1:3] == x[1:3] for x in new.get(key, []))]
+        new = gemm_table(points, args.up_to)
+        # An entry this sweep measured (same n, k; at or below up_to) gives way to the new ones.
+        old = {key: [e for e in entries if not any(e[1:3] == x[1:3] and (args.up_to is None or
+                                                                      e[0] <= args.up_to)
+                                                   for x in new.get(key, []))]
                for key, entries in gemm.get(target.arch, {}).items()}
         for key, entries in new.items():
             old[key] = sorted(old.get(key, []) + entries, key=lambda e: (e[1], e[2], e[0]))
@@ -318,7 +327,7 @@ def write_table(path, target, points, args):
     data["note"] = ("written by python -m bench.tune --write; configs: [max_tokens, padded row "
                     "elements, rows_per_program, num_warps, num_stages(, split)]; gemm_configs "
                     "(--gemm): [max_tokens, n, k, block_m, block_n, block_k, num_warps, "
-                    "num_stages, swap(, mma_acc(, scale_prefetch))]")
+                    "num_stages, swap(, mma_acc(, scale_prefetch(, k_unroll)))]")
     sources = data.setdefault("sources", {})
     kinds = [k for k in str(sources.get(target.arch, {}).get("device_kind") or "").split(", ") if k]
     # Every device whose sweep wrote entries of this arch (a partial sweep keeps the others').

@@ -455,6 +455,7 @@ def test_tune_gemm_table_and_write(tmp_path, monkeypatch):
     from bench import tune
     from k3pallas import platform
     from k3pallas.kernels import launch
+    from k3pallas.kernels.launch import GemmConfig
 
     def point(t, cfg, key="linear_fp8_group128", n=7168, k=1536):
         return {"key": key, "n": n, "k": k, "tokens": t, "best": {"config": cfg}}
@@ -482,6 +483,22 @@ def test_tune_gemm_table_and_write(tmp_path, monkeypatch):
                                   w_block=128).as_entry() == [16, 64, 128, 4, 4, 1]
         assert launch.gemm_config("linear_fp8_group128", 7, 7000, 1536, target=sm90,
                                   w_block=128) == launch.gemm_heuristic(7, 7000, 1536, sm90, w_block=128)
+        # A decode-only sweep (--up-to 16) replaces that shape's entries up to 16 tokens only;
+        # an entry with scale_prefetch reads back as one.
+        monkeypatch.setattr(tune.launch, "TUNED_PATH", str(tmp_path / "out.json"))
+        args.up_to = 16
+        tune.write_table(str(tmp_path / "out2.json"), types.SimpleNamespace(arch="sm_90", device_kind="H"),
+                         [point(1, [16, 64, 128, 4, 8, 1, 128, 1]), point(16, [16, 64, 128, 4, 12, 1])],
+                         args)
+        entries = json.loads((tmp_path / "out2.json").read_text())["gemm_configs"]["sm_90"][
+            "linear_fp8_group128"]
+        assert [e for e in entries if e[1] == 7168] == [
+            [4, 7168, 1536, 16, 64, 128, 4, 8, 1, 128, 1], [16, 7168, 1536, 16, 64, 128, 4, 12, 1],
+            [90, 7168, 1536, 16, 64, 128, 4, 4, 1], [2**31, 7168, 1536, 64, 128, 128, 4, 3, 0]]
+        monkeypatch.setattr(tune.launch, "TUNED_PATH", str(tmp_path / "out2.json"))
+        launch.gemm_tuned_table.cache_clear()
+        assert launch.gemm_config("linear_fp8_group128", 1, 7168, 1536, target=sm90,
+                                  w_block=128) == GemmConfig(16, 64, 128, 4, 8, True, 128, True)
     finally:
         launch.gemm_tuned_table.cache_clear()
 

@@ -49,7 +49,6 @@ def _kernel(a_ref, as_ref, w_ref, ws_ref, o_ref, *, m: int, n: int, k: int, cfg:
     rn = n0 + jnp.arange(bn, dtype=jnp.int32)
     m_ok, n_ok = rm < m, rn < n
     steps = pl.cdiv(k, bk)
-    k_tail = k % bk != 0
     a_steps = a_group // bk  # K steps per activation scale (in-loop only if a_group < k)
     in_loop_a = a_group < k
     in_loop_w = w_scale == "block"
@@ -72,8 +71,9 @@ def _kernel(a_ref, as_ref, w_ref, ws_ref, o_ref, *, m: int, n: int, k: int, cfg:
         return a_s * w_s
 
     def step_scales(i):
-        """Step ``i``'s K-varying scales, ``(a_s [BM, 1] or None, w_s [1, 1] or None)``; the step
-        after the last reads the last one's (the prefetch beyond the loop, never used)."""
+        """Step ``i``'s K-varying scales, ``(a_s [BM, 1] or None, w_s [1, 1] or None)``; a step
+        after the last reads the last one's (prefetched beyond the loop or a K tail's all-zero
+        codes: never used, or multiplying zeros by a scale already in the sum)."""
         i = jnp.minimum(i, steps - 1)
         a_s = (plgpu.load(as_ref.at[pl.ds(m0, bm), pl.ds(i // a_steps, 1)], mask=m_ok[:, None],
                           other=0.0) if in_loop_a else None)
@@ -85,15 +85,22 @@ def _kernel(a_ref, as_ref, w_ref, ws_ref, o_ref, *, m: int, n: int, k: int, cfg:
                              else ws_ref.at[pl.ds(nb, 1), pl.ds(kb, 1)])  # [1, 1]
         return a_s, w_s
 
-    # With ``scale_prefetch`` the K-varying scales are loaded one step before their use and
+    # With ``scale_prefetch`` the K-varying scales are loaded one iteration before their use and
     # carried through the loop: Triton pipelines only the dot's operands, so a scale loaded in its
-    # own step stalls every step on a global load's latency. One step, not more: Triton's
+    # own step stalls every step on a global load's latency. One iteration, not more: Triton's
     # pipeliner skips a loop with a loop-carried distance over one (docs/formats.md, Consumers).
+    # ``k_unroll`` K steps per iteration (each with its own loads, dot and scales): the loop's
+    # fixed instructions (barriers, waits, branch) once per ``k_unroll * BK`` of K.
     in_loop = in_loop_a or in_loop_w
     prefetch = cfg.scale_prefetch and in_loop
+    unroll = cfg.k_unroll
+    k_tail = k % (bk * unroll) != 0
 
-    def body(i, carry):
-        acc, scales = carry
+    def iteration_scales(j):
+        return tuple(step_scales(j * unroll + u) for u in range(unroll))
+
+    def step(i, acc, scales):
+        """K step ``i`` (``scales``: its own, or None to load them here) added to ``acc``."""
         ks = i * bk + jnp.arange(bk, dtype=jnp.int32)
         k_ok = ks < k if k_tail else None
         a_mask = common.both(m_ok[:, None], None if k_ok is None else k_ok[None, :])
@@ -106,18 +113,25 @@ def _kernel(a_ref, as_ref, w_ref, ws_ref, o_ref, *, m: int, n: int, k: int, cfg:
             w = plgpu.load(w_ref.at[pl.ds(n0, bn), pl.ds(i * bk, bk)], mask=w_mask, other=w_zero)
         part = tile_dot(a, w)
         if not in_loop:
-            return acc + part, scales
-        a_s, w_s = scales if prefetch else step_scales(i)
-        scales = step_scales(i + 1) if prefetch else scales
+            return acc + part
+        a_s, w_s = scales if scales is not None else step_scales(i)
         if a_s is None:
-            return acc + part * w_s, scales
+            return acc + part * w_s
         if w_s is None:
-            return acc + part * (a_s if not cfg.swap else a_s.reshape(1, -1)), scales
-        return acc + part * outer(a_s, w_s), scales
+            return acc + part * (a_s if not cfg.swap else a_s.reshape(1, -1))
+        return acc + part * outer(a_s, w_s)
+
+    def body(j, carry):
+        acc, scales = carry
+        nxt = iteration_scales(j + 1) if prefetch else ()
+        for u in range(unroll):
+            acc = step(j * unroll + u, acc, scales[u] if prefetch else None)
+        return acc, nxt
 
     shape = (bn, bm) if cfg.swap else (bm, bn)
-    first = step_scales(0) if prefetch else ()
-    acc, _ = lax.fori_loop(0, steps, body, (jnp.zeros(shape, jnp.float32), first))
+    first = iteration_scales(0) if prefetch else ()
+    acc, _ = lax.fori_loop(0, pl.cdiv(k, bk * unroll), body,
+                           (jnp.zeros(shape, jnp.float32), first))
     # Scales constant along K: once, at the end.
     if not in_loop_a:
         a_s = plgpu.load(as_ref.at[pl.ds(m0, bm), pl.ds(0, 1)], mask=m_ok[:, None], other=0.0)

@@ -197,6 +197,9 @@ class GemmConfig:
     # Load the scales that change along K (group FP8, per-token groups) one K step before their
     # use, carried through the loop; False: in their own step (a global load's latency in each).
     scale_prefetch: bool = False
+    # K steps per loop iteration (each its own loads, dot and scales): the loop's fixed
+    # instructions (barriers, waits) once per ``k_unroll * block_k``.
+    k_unroll: int = 1
 
     def __post_init__(self):
         for name, low in (("block_m", 16), ("block_n", 16), ("block_k", 32), ("num_warps", 1)):
@@ -205,13 +208,15 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name} must be a power of two >= {low}, got {value}")
         if self.num_stages < 1:
             raise ValueError(f"GemmConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.k_unroll not in (1, 2, 4):
+            raise ValueError(f"GemmConfig.k_unroll must be 1, 2 or 4, got {self.k_unroll}")
         if self.mma_acc and (self.mma_acc < 32 or self.mma_acc & (self.mma_acc - 1)):
             raise ValueError(f"GemmConfig.mma_acc must be 0 or a power of two >= 32, got "
                              f"{self.mma_acc}")
 
     def as_entry(self) -> list:
-        tail = [self.mma_acc, 1] if self.scale_prefetch else (
-            [self.mma_acc] if self.mma_acc else [])
+        tail = ([self.mma_acc, int(self.scale_prefetch), self.k_unroll] if self.k_unroll > 1 else
+                [self.mma_acc, 1] if self.scale_prefetch else [self.mma_acc] if self.mma_acc else [])
         return [self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages,
                 int(self.swap)] + tail
 
@@ -219,7 +224,8 @@ class GemmConfig:
     def from_entry(cls, entry) -> "GemmConfig":
         """The config of an ``as_entry`` list (a tuned table's entry without its first three)."""
         bm, bn, bk, warps, stages, swap, *rest = entry
-        return cls(bm, bn, bk, warps, stages, bool(swap), *rest[:1], *map(bool, rest[1:2]))
+        return cls(bm, bn, bk, warps, stages, bool(swap), *rest[:1], *map(bool, rest[1:2]),
+                   *rest[2:3])
 
 
 # Rows up to which the GEMM runs its decode form: tokens padded in registers to 16 (the least
@@ -236,7 +242,8 @@ def gemm_heuristic(m: int, n: int, k: int, target: Target, *, w_block: int | Non
     per-channel or per-tensor weight scales.
 
     NVIDIA: the tiles that won (or came within 8 % of the winner) at every shape of the H100
-    sweep (docs/formats.md, Consumers): decode the swapped 16 x 64 tile, 6 stages; up to 128
+    sweep (docs/formats.md, Consumers): decode the swapped 16 x 64 tile, 6 stages (8 with
+    per-channel weight scales); up to 128
     rows 64 x 64; beyond, 64 x 128, 3 stages; on Hopper with FP8 wgmma (``mma_acc`` 128). AMD
     (not timed): 16-row decode tiles narrow enough for two programs a CU, 2 stages."""
     amd = target.backend == "rocm"
@@ -253,8 +260,8 @@ def gemm_heuristic(m: int, n: int, k: int, target: Target, *, w_block: int | Non
             return GemmConfig(16 if m <= 32 else 64, min(cap_n, 64), 128, 4, 2)
         return GemmConfig(128, min(cap_n, 128), 64, 8, 2)
     wgmma = 128 if target.arch.startswith("sm_90") else 0
-    if m <= GEMM_DECODE_ROWS:
-        return GemmConfig(16, 64, 128, 4, 6, swap=True, mma_acc=wgmma)
+    if m <= GEMM_DECODE_ROWS:  # per-channel weight scales: no scale per step, deeper pipeline
+        return GemmConfig(16, 64, 128, 4, 6 if w_block else 8, swap=True, mma_acc=wgmma)
     if m <= 128:
         return GemmConfig(64, 64, 128, 4, 4, mma_acc=wgmma)
     return GemmConfig(64, min(cap_n, 128), 128, 4, 3, mma_acc=wgmma)
@@ -263,7 +270,7 @@ def gemm_heuristic(m: int, n: int, k: int, target: Target, *, w_block: int | Non
 @functools.lru_cache(maxsize=None)
 def gemm_tuned_table() -> dict:
     """The GEMM sweep's choices: {arch: {key: [[max_rows, n, k, bm, bn, bk, warps, stages,
-    swap(, mma_acc(, scale_prefetch))], ...]}}, looked up by (arch, key, exact n and k) and the smallest ``max_rows`` bucket
+    swap(, mma_acc(, scale_prefetch(, k_unroll)))], ...]}}, looked up by (arch, key, exact n and k) and the smallest ``max_rows`` bucket
     that holds the row count."""
     return _load_table("gemm_configs", lambda e: (e[1], e[2], e[0]))
 
