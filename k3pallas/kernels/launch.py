@@ -243,7 +243,8 @@ def gemm_heuristic(m: int, n: int, k: int, target: Target, *, w_block: int | Non
 
     NVIDIA: the tiles that won (or came within 8 % of the winner) at every shape of the H100
     sweep (docs/formats.md, Consumers): decode the swapped 16 x 64 tile, 6 stages (8 with
-    per-channel weight scales); up to 128
+    per-channel weight scales; with block scales and 32 K steps or more, 4 steps an iteration
+    with their scales loaded an iteration early, 3 stages); up to 128
     rows 64 x 64; beyond, 64 x 128, 3 stages; on Hopper with FP8 wgmma (``mma_acc`` 128). AMD
     (not timed): 16-row decode tiles narrow enough for two programs a CU, 2 stages."""
     amd = target.backend == "rocm"
@@ -260,7 +261,11 @@ def gemm_heuristic(m: int, n: int, k: int, target: Target, *, w_block: int | Non
             return GemmConfig(16 if m <= 32 else 64, min(cap_n, 64), 128, 4, 2)
         return GemmConfig(128, min(cap_n, 128), 64, 8, 2)
     wgmma = 128 if target.arch.startswith("sm_90") else 0
-    if m <= GEMM_DECODE_ROWS:  # per-channel weight scales: no scale per step, deeper pipeline
+    if m <= GEMM_DECODE_ROWS:
+        if w_block and k >= 32 * 128:  # a long K of block scales: 4 steps an iteration
+            return GemmConfig(16, 64, 128, 4, 3, swap=True, mma_acc=wgmma, scale_prefetch=True,
+                              k_unroll=4)
+        # per-channel weight scales: no scale per step, a deeper pipeline
         return GemmConfig(16, 64, 128, 4, 6 if w_block else 8, swap=True, mma_acc=wgmma)
     if m <= 128:
         return GemmConfig(64, 64, 128, 4, 4, mma_acc=wgmma)
