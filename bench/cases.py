@@ -315,4 +315,10 @@ HEADLINE = (
     ("linear", "deepseek-v3-oproj-tp8-fp8_group128", (1, 16)),
     ("linear", "kimi-k3-oproj-tp8-fp8_per_token", (1, 64, 4096)),
 )
-SUITES = {"headline": HEADLINE}
+# The full suite (``python -m bench --suite full``): every op and config at the token counts the
+# docs read (decode, mid, prefill), the headline's among them; about 18 minutes on an H100, so
+# two or three device calls joined by ``--resume`` (one commit, one device).
+FULL_TOKENS = (1, 16, 64, 256, 512, 4096, 65536)
+FULL = tuple((op, cfg, OP_TOKENS.get(op, FULL_TOKENS)) for op, cfgs in OP_CONFIGS.items()
+             for cfg in cfgs)
+SUITES = {"headline": HEADLINE, "full": FULL}

@@ -506,7 +506,7 @@ def test_tune_gemm_table_and_write(tmp_path, monkeypatch):
 def test_resume_and_suites(tmp_path):
     """``--resume``: a run cut short continues with the same job list, its measured cases kept
     (not measured again), refused for another commit or device; ``--suite headline`` names
-    cases that exist."""
+    cases that exist, ``--suite full`` holds every op and config and the headline."""
     from bench import cases as bench_cases, run as bench_run
 
     out = tmp_path / "b"
@@ -526,3 +526,8 @@ def test_resume_and_suites(tmp_path):
         bench_run.main(argv + ["--resume", str(tmp_path / "other.json")])
     for op, cfg, tokens in bench_cases.HEADLINE:
         assert cfg in bench_cases.OP_CONFIGS[op] and tokens
+    # --suite full: every op and config, the headline's cases among its own
+    full = {(op, cfg, t) for op, cfg, ts in bench_cases.FULL for t in ts}
+    assert {(op, cfg) for op, cfg, _ in full} == {(op, cfg) for op, cfgs in
+                                                  bench_cases.OP_CONFIGS.items() for cfg in cfgs}
+    assert {(op, cfg, t) for op, cfg, ts in bench_cases.HEADLINE for t in ts} <= full
