@@ -39,9 +39,9 @@ PER_TOKEN_IMPLS = ("dot_general",)
 PALLAS_IMPLS = ("pallas", "interpret")
 # "auto" on a GPU takes the Pallas GEMM up to these many rows (None: any) and the XLA lowerings
 # beyond: the crossovers measured on an H100 (docs/formats.md, Consumers). Group FP8: the kernel
-# beat every XLA lowering at T = 7 ... 4096 on the three model shapes (1.1-9x). Per-token FP8: the
-# kernel up to 16 rows (0.94-2.00x cuBLASLt's FP8 GEMM's speed there, the 0.94 at the MLP's
-# T = 7); cuBLASLt from 64 rows at K = 7168 and from 512 at K <= 2048.
+# beat every XLA lowering at T = 7 ... 4096 on the three model shapes (1.1-9x; at T = 1 within
+# 2 %). Per-token FP8: the kernel up to 16 rows (1.04-2.06x faster than cuBLASLt's FP8 GEMM
+# there); cuBLASLt from 64 rows at K = 7168 and from 512 at K <= 2048.
 PALLAS_PER_TOKEN_MAX_ROWS = 16
 PALLAS_GROUP_MAX_ROWS = None
 
