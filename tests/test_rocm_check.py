@@ -228,6 +228,7 @@ def test_target_configs_are_read_from_the_plugin_binary(tmp_path):
 
 def test_gate_cases():
     from bench import cases as op_table
+    from k3pallas.kernels import hooks, launch
 
     FP8_OPS = {name for name, op in op_table.OPS.items() if op.fp8}
     cases = rocm_check.cases((1, 4096), None)
@@ -242,10 +243,18 @@ def test_gate_cases():
     ops = {c["op"] for c in cases}
     assert ops == set(op_table.OPS) | {"linear"}  # every op of the table, with no list of its own
     gemm = [c for c in cases if c["op"] == "linear"]  # every GEMM format and shape, its tiles
-    assert {c["config"] for c in gemm} == set(op_table.LINEAR)
+    forced = [c for c in gemm if "@" in c["config"]]  # and the loop forms AMD does not choose
+    assert {c["config"] for c in gemm if c not in forced} == set(op_table.LINEAR)
     assert {c["tokens"] for c in gemm} == set(rocm_check.GEMM_EXTRA_TOKENS)
     fn, args = rocm_check.case_fn(gemm[0], "gfx942")
     assert args[0].data.dtype == jnp.float8_e4m3fnuz and args[1].data.dtype == jnp.float8_e4m3fnuz
+    assert len(forced) == len(rocm_check.GEMM_FORCED)
+    for case, (_, _, entry) in zip(forced, rocm_check.GEMM_FORCED):
+        with hooks.recording() as launches:
+            fn, args = rocm_check.case_fn(case, "gfx950")
+            testing.lower_for(fn, args, *testing.KNOWN_TARGETS["gfx950"])
+        assert [g.config.as_entry() for g in launches if isinstance(g, launch.GemmLaunch)] == [
+            list(entry)]
     assert {"fused_q_kv_rmsnorm", "rmsnorm_gated_fp8_per_token"} <= FP8_OPS | ops
     fn, args = rocm_check.case_fn(rocm_check.BROKEN)  # the forced launch: 64 rows, 1 wavefront
     (launch,) = testing.triton_launches(testing.lower_for(fn, args, *testing.KNOWN_TARGETS["gfx942"]).as_text())

@@ -107,7 +107,8 @@ def gemm_table(gate: dict) -> list[dict]:
     devices = gate["meta"]["devices"]
     return [{"arch": r["arch"], "config": r["config"], "tokens": r["tokens"],
              **gemm_estimate(r, devices[r["arch"]])}
-            for r in gate["results"] if r["op"] == "linear" and "error" not in r]
+            for r in gate["results"] if r["op"] == "linear" and "error" not in r
+            and "@" not in r["config"]]  # forced loop forms (rocm.check.GEMM_FORCED): not run
 
 
 def table(gate: dict) -> list[dict]:

@@ -68,6 +68,12 @@ PROGRAM_TOKENS = (64, 4096)
 # The GEMM's token counts the gate compiles besides the run's --tokens (its decode, mid and
 # prefill tiles).
 GEMM_EXTRA_TOKENS = (1, 16, 64, 512, 4096)
+# The GEMM's loop forms the AMD heuristic does not take (its K-varying scales prefetched, K steps
+# unrolled, as on NVIDIA), compiled as forced configs ("CONFIG@ENTRY", a ``GemmConfig.as_entry``)
+# so that the gate sees them on gfx942 / gfx950 too: (config, T, entry). The 16 x 64 tile
+# unrolled twice takes 20 KB of gfx942's 64 KB LDS (occupancy 3): the 16 x 32 one, 12 KB.
+GEMM_FORCED = (("deepseek-v3-mlp-tp8-fp8_group128", 1, (16, 32, 128, 4, 2, 0, 0, 1, 2)),
+               ("deepseek-v3-mlp-tp8-fp8_group128", 512, (128, 128, 64, 8, 2, 0, 0, 1)))
 
 
 def cases(tokens, ops, casts=FP8_CASTS) -> list[dict]:
@@ -92,6 +98,8 @@ def cases(tokens, ops, casts=FP8_CASTS) -> list[dict]:
         out += [{"op": "linear", "config": cfg, "tokens": t} for cfg in op_table.LINEAR
                 for t in op_table.OP_TOKENS["linear"] if not tokens or t in tokens
                 or t in GEMM_EXTRA_TOKENS]
+        out += [{"op": "linear", "config": f"{cfg}@{','.join(map(str, entry))}", "tokens": t}
+                for cfg, t, entry in GEMM_FORCED]
     return out
 
 
@@ -99,7 +107,8 @@ def case_fn(case, arch=None):
     """(function, ShapeDtypeStructs) of one case, bf16 activations. FP8: the target's default
     format; the cast "native" is requested as "native_unchecked" (compiling ahead of time: no
     device to run the self-check on). A ``launch`` [rows, warps, stages] forces a launch config
-    (``--broken``). ``linear``: the GEMM on records in ``arch``'s default FP8 type."""
+    (``--broken``). ``linear``: the GEMM on records in ``arch``'s default FP8 type; a config
+    ``NAME@ENTRY`` forces ``GemmConfig.from_entry(ENTRY)``."""
     import contextlib
 
     import jax.numpy as jnp
@@ -113,14 +122,20 @@ def case_fn(case, arch=None):
         import k3pallas as kp
         from k3pallas import platform
 
-        c = op_table.LINEAR[case["config"]]
+        name, _, entry = case["config"].partition("@")  # "@ENTRY": a forced GemmConfig
+        c = op_table.LINEAR[name]
         with (kp.compiling_for(platform.target_from_name(arch)) if arch
               else contextlib.nullcontext()):  # the records in the arch's FP8 type
             qa, qw = jax.eval_shape(lambda: (
                 kp.quantize(jnp.zeros((case["tokens"], c["k"]), jnp.bfloat16), c["fmt"],
                             impl="reference"),
                 kp.quantize_weight(jnp.zeros((c["k"], c["n"]), jnp.bfloat16), c["fmt"])))
-        return (lambda a, w: kp.linear(a, w, impl="pallas")), [qa, qw]
+        forced = launch.GemmConfig.from_entry([int(v) for v in entry.split(",")]) if entry else None
+
+        def gemm(a, w):
+            with hooks.forced(forced) if forced else contextlib.nullcontext():
+                return kp.linear(a, w, impl="pallas")
+        return gemm, [qa, qw]
 
     spec = op_table.OPS[case["op"]]
     args, options = spec.example(case["tokens"], jnp.dtype(jnp.bfloat16), **spec.sizes[case["config"]])
@@ -206,9 +221,6 @@ _HEAD_SHARDED_OPS = ("rmsnorm_gated", "sigmoid_mul", "quantize")
 
 SHARDED_PROGRAMS = ("kda_out_fp8_tp8_named", "mla_out_fp8_tp8_shard_map")
 SHARDED_PROGRAM_TOKENS = (64, 4096)
-# The GEMM's token counts the gate compiles besides the run's --tokens (its decode, mid and
-# prefill tiles).
-GEMM_EXTRA_TOKENS = (1, 16, 64, 512, 4096)
 
 
 def sharded_cases(ops=None) -> list[dict]:
