@@ -50,7 +50,7 @@ class LaunchConfig:
 # thread of its largest tile: few while the grid is too small to fill the GPU (spread a row's
 # latency chain over many threads), many once it is large (cheaper cross-warp reductions;
 # occupancy comes from the many programs). AMD holds 16 per thread there, not 32, to keep
-# >= 4 waves per SIMD (the ROCm gate). The sweep behind them: bench/results/tune.md, docs/performance.md.
+# >= 4 waves per SIMD (the ROCm gate). The sweeps behind them: docs/performance.md.
 _ELEMS_PER_PROGRAM = 4096
 _ELEMS_PER_THREAD_LATENCY = 8
 _ELEMS_PER_THREAD_THROUGHPUT = {"cuda": 32, "rocm": 16}
