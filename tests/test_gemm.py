@@ -95,6 +95,22 @@ def test_gemm_against_the_oracle(rng, case):
         np.testing.assert_array_equal(f64(out16), f64(out.astype(jnp.bfloat16)))
 
 
+def test_unrolled_steps_past_k_add_nothing(rng):
+    """``k_unroll`` past K (3 steps in iterations of 2): the step past the last adds exactly 0,
+    also where the last weight block's scale is infinite (the infinities of one step an
+    iteration, no 0 * inf NaN), with and without prefetched scales."""
+    qa, qw = _operands(rng, 7, 384, 200, "fp8_group128")
+    qw = kp.QuantizedWeight(qw.data, qw.scale.at[0, -1].set(jnp.inf), qw.format, qw.layout)
+    for base, unrolled in ((GemmConfig(16, 64, 128, 4, 2), GemmConfig(16, 64, 128, 4, 2, k_unroll=2)),
+                           (GemmConfig(16, 64, 128, 4, 2, True),
+                            GemmConfig(16, 64, 128, 4, 2, True, scale_prefetch=True, k_unroll=4))):
+        want = np.asarray(_run(qa, qw, base))
+        assert np.isinf(want).any() and not np.isnan(want).any()
+        got = np.asarray(_run(qa, qw, unrolled))  # finite sums may round apart (XLA's fusion)
+        np.testing.assert_array_equal(got[~np.isfinite(want)], want[~np.isfinite(want)])
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 def test_per_tensor_weight_scale_and_leading_axes(rng):
     qa, qw = _operands(rng, 6, 256, 96, "fp8_per_token")
     qa = kp.QuantizedActivation(qa.data.reshape(2, 3, 256), qa.scale.reshape(2, 3, 1), qa.format)

@@ -71,9 +71,11 @@ def _kernel(a_ref, as_ref, w_ref, ws_ref, o_ref, *, m: int, n: int, k: int, cfg:
         return a_s * w_s
 
     def step_scales(i):
-        """Step ``i``'s K-varying scales, ``(a_s [BM, 1] or None, w_s [1, 1] or None)``; a step
-        after the last reads the last one's (prefetched beyond the loop or a K tail's all-zero
-        codes: never used, or multiplying zeros by a scale already in the sum)."""
+        """Step ``i``'s K-varying scales, ``(a_s [BM, 1] or None, w_s [1, 1] or None)``. A step
+        after the last (an unrolled iteration past K, or the prefetch beyond the loop) reads
+        the last one's addresses and gets zeros: its all-zero codes then add exactly 0, even
+        where the last block's scale is infinite."""
+        past = (i >= steps) if steps % cfg.k_unroll else None  # unrolled steps past K
         i = jnp.minimum(i, steps - 1)
         a_s = (plgpu.load(as_ref.at[pl.ds(m0, bm), pl.ds(i // a_steps, 1)], mask=m_ok[:, None],
                           other=0.0) if in_loop_a else None)
@@ -83,6 +85,9 @@ def _kernel(a_ref, as_ref, w_ref, ws_ref, o_ref, *, m: int, n: int, k: int, cfg:
             nb = n0 // W_BLOCK
             w_s = plgpu.load(ws_ref.at[pl.ds(kb, 1), pl.ds(nb, 1)] if kn
                              else ws_ref.at[pl.ds(nb, 1), pl.ds(kb, 1)])  # [1, 1]
+        if past is not None:
+            a_s = None if a_s is None else jnp.where(past, 0.0, a_s)
+            w_s = None if w_s is None else jnp.where(past, 0.0, w_s)
         return a_s, w_s
 
     # With ``scale_prefetch`` the K-varying scales are loaded one iteration before their use and
