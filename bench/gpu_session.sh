@@ -4,7 +4,7 @@
 # tests, headline benchmark, one archive).
 # One GPU-machine session: GPU tests, a trace sample, the benchmark and the launch-config sweep,
 # all written under $OUT (the device tool brings that folder back). Usage, on the GPU machine:
-#   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded] [peers] [ncu] [gemm]
+#   OUT=/some/dir bash bench/gpu_session.sh [tests] [bench] [tune] [trace] [hlo] [model] [sharded] [peers] [ncu] [gemm] [full]
 # e.g. a sweep, then the benchmark and the peers on its table, in one call:
 #   TUNE_ARGS="--ops add_rmsnorm --write" TUNE_APPLY=1 BENCH_ARGS="--ops add_rmsnorm" ... tune bench peers
 # ncu: NCU_CASES="OP:CONFIG:T ..."
@@ -58,6 +58,11 @@ for step in $steps; do
           timeout ${BENCH_TIMEOUT:-200} python3 -m bench --ops linear --out "$OUT" $BENCH_ARGS 2>/dev/null | grep "^|" | tail -60
           rm -f "$OUT/results.png" "$OUT/tune.md"  # tune.json holds its points (bench.tune.gemm_markdown)
           [[ -n "${VLLM_SOURCE:-}" ]] && timeout ${PEERS_TIMEOUT:-60} python3 -m bench.inspection.beside_gemm --vllm-source "$VLLM_SOURCE" ${VLLM_CONFIGS:+--vllm-configs "$VLLM_CONFIGS"} --out "$OUT" 2>/dev/null | tail -30 ;;
+    # The full suite (bench.cases.FULL, ~18 min on an H100) at one commit over two or three
+    # calls: FULL_RESUME=<the last call's full_<card>.json, carried in an ignored folder>
+    # continues it (bench/run.py refuses another commit or device). CARD names the report.
+    full) timeout ${FULL_TIMEOUT:-540} python3 -m bench --suite full --name "full_${CARD:-gpu}" --out "$OUT" ${FULL_RESUME:+--resume "$FULL_RESUME"} 2>"$OUT/full.log" | grep "^|" | tail -3
+          rm -f "$OUT"/full_*.png ;;
     sharded) timeout ${SHARDED_TIMEOUT:-300} python3 -m bench.inspection.sharded --out "$OUT" 2>"$OUT/sharded.log" | tail -30 ;;
     # The residual add + norm beside Liger's and flash-linear-attention's (their wheels in .whl:
     # carry it; installed under /tmp/site with the image's torch and triton).
