@@ -107,8 +107,10 @@ def test_unrolled_steps_past_k_add_nothing(rng):
         want = np.asarray(_run(qa, qw, base))
         assert np.isinf(want).any() and not np.isnan(want).any()
         got = np.asarray(_run(qa, qw, unrolled))  # finite sums may round apart (XLA's fusion)
-        np.testing.assert_array_equal(got[~np.isfinite(want)], want[~np.isfinite(want)])
-        np.testing.assert_allclose(got, want, rtol=1e-5)
+        finite = np.isfinite(want)
+        np.testing.assert_array_equal(got[~finite], want[~finite])
+        scale = np.max(np.abs(want[finite]))  # float32 roundings of the largest partial sums
+        assert np.max(np.abs(got[finite] - want[finite])) <= 1e-5 * scale
 
 
 def test_per_tensor_weight_scale_and_leading_axes(rng):
