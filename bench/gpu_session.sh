@@ -49,10 +49,13 @@ for step in $steps; do
     # forms, GemmConfig.mma_acc), its GPU tests (the K = 7168 error printed), the linear op's
     # benchmark on that table, and (VLLM_SOURCE: a copy of vLLM's fp8_utils.py; VLLM_CONFIGS:
     # its configs folder) vLLM's Triton block-scaled GEMM beside it.
-    # On an H100 the sweep of all six configs took ~190 s, the tests 50-70 s, the benchmark
-    # 190 s, the peer 46 s: about 8 minutes. The device brings back 8 files at most: the
-    # sweep's points (tune.json) rebuild the table with bench.tune.write_table if its file is lost.
-    gemm) timeout ${TUNE_TIMEOUT:-230} python3 -m bench.tune --gemm --write --calls 10 --out "$OUT" 2>/dev/null | tail -34
+    # On an H100 the sweep of all six configs took 381 s (with the prefetch and deep-pipeline
+    # candidates; the decode-only `--tokens 1,16 --up-to 16` with the unrolled ones 207 s), the
+    # tests 50-70 s, the benchmark 208 s, the peer 46 s: more than one call holds, so
+    # GEMM_SWEEP=0 skips the sweep (the tree's table) and TUNE_ARGS narrows it. The device brings
+    # back 8 files at most: the sweep's points (tune.json) rebuild the table with
+    # bench.tune.write_table if its file is lost.
+    gemm) [[ ${GEMM_SWEEP:-1} == 1 ]] && timeout ${TUNE_TIMEOUT:-420} python3 -m bench.tune --gemm --write --calls 10 --out "$OUT" $TUNE_ARGS 2>/dev/null | tail -34
           [[ -f "$OUT/tuned_configs.json" ]] && cp "$OUT/tuned_configs.json" k3pallas/kernels/tuned_configs.json
           XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TESTS_TIMEOUT:-90} python3 -m pytest -m gpu tests/test_gemm.py -q -s -p no:cacheprovider -rfEs 2>&1 | tee "$OUT/gpu_gemm_tests.log" | tail -14
           timeout ${BENCH_TIMEOUT:-200} python3 -m bench --ops linear --out "$OUT" $BENCH_ARGS 2>/dev/null | grep "^|" | tail -60
