@@ -241,12 +241,12 @@ def gemm_heuristic(m: int, n: int, k: int, target: Target, *, w_block: int | Non
     weight's scale blocks along N (128), which a program's columns may not cross; None for
     per-channel or per-tensor weight scales.
 
-    NVIDIA: the tiles that won (or came within 8 % of the winner) at every shape of the H100
-    sweep (docs/formats.md, Consumers): decode the swapped 16 x 64 tile, 6 stages (8 with
+    NVIDIA: the tiles that won (or came within 10 % of the winner) at every shape of the H100
+    sweeps (docs/formats.md, Consumers): decode the swapped 16 x 64 tile, 6 stages (8 with
     per-channel weight scales; with block scales and 32 K steps or more, 4 steps an iteration
-    with their scales loaded an iteration early, 3 stages); up to 128
-    rows 64 x 64; beyond, 64 x 128, 3 stages; on Hopper with FP8 wgmma (``mma_acc`` 128). AMD
-    (not timed): 16-row decode tiles narrow enough for two programs a CU, 2 stages."""
+    with their scales loaded an iteration early, 3 stages); up to 128 rows 64 x 64; beyond,
+    64 x 128, 3 stages; on Hopper with FP8 wgmma (``mma_acc`` 128). AMD (not timed): 16-row
+    decode tiles narrow enough for two programs a CU, 2 stages."""
     amd = target.backend == "rocm"
     if not target.is_gpu:  # interpret mode: large tiles, few programs
         return GemmConfig(16 if m <= 16 else 32, 64, 128, 4, 1)
