@@ -188,13 +188,17 @@ def test_auto_takes_the_kernel_up_to_its_row_limits(rng, monkeypatch):
 def test_configs():
     """The heuristic: a pure function of the problem and the target; decode tiles of 16 rows;
     a weight's 128-blocks never split across a program's columns; within 1024 threads."""
-    for arch in ("sm_90", "gfx942", "gfx950", "cpu"):
+    smem_kb = {"sm_90": 227, "sm_89": 99, "sm_86": 99, "sm_80": 163, "gfx942": 64, "gfx950": 160}
+    for arch in ("sm_90", "sm_89", "sm_80", "gfx942", "gfx950", "cpu"):
         target = platform.target_from_name(arch)
         for m in (1, 7, 16, 33, 64, 512, 4096, 65536):
             for n, k in ((7168, 1536), (4608, 7168), (200, 256)):
                 for w_block in (128, None):
                     cfg = launch.gemm_heuristic(m, n, k, target, w_block=w_block)
                     assert cfg.num_warps * target.warp_size <= max(1024, target.max_threads)
+                    # the pipelined operand tiles within the arch's shared memory (LDS)
+                    tiles = cfg.num_stages * cfg.k_unroll * (cfg.block_m + cfg.block_n) * cfg.block_k
+                    assert tiles <= smem_kb.get(arch, 1 << 20) << 10, (arch, m, k, cfg)
                     if m <= launch.GEMM_DECODE_ROWS:
                         assert cfg.block_m == 16
                     if w_block:
