@@ -73,12 +73,12 @@ def gemm_candidates(t: int, block_scales: bool, amd: bool = False) -> list:
             c += [C(128, 256, 128, 8, 3), C(128, 256, 64, 8, 4), C(256, 128, 64, 8, 3)]
     if amd:  # LDS: 64 KB on gfx942; 16 wavefronts of 64 at most
         c = [x for x in c if x.num_warps <= 8 and (x.block_m + x.block_n) * x.block_k * x.num_stages <= 64 << 10]
-        return c + [dataclasses.replace(x, scale_prefetch=True) for x in c] if block_scales else c
-    # Hopper: each tile whose matrix-core M reaches 64 also with its partial sums promoted every
-    # 128 products (GemmConfig.mma_acc), the FP8 wgmma (QGMMA) Triton takes then, instead of
-    # float16 mma.sync on converted codes (docs/formats.md).
-    wide = [x for x in c if (x.block_n if x.swap else x.block_m) >= 64 and x.num_warps % 4 == 0]
-    c = c + [dataclasses.replace(x, mma_acc=128) for x in wide]
+    else:
+        # Hopper: each tile whose matrix-core M reaches 64 also with its partial sums promoted
+        # every 128 products (GemmConfig.mma_acc), the FP8 wgmma (QGMMA) Triton takes then,
+        # instead of float16 mma.sync on converted codes (docs/formats.md).
+        wide = [x for x in c if (x.block_n if x.swap else x.block_m) >= 64 and x.num_warps % 4 == 0]
+        c = c + [dataclasses.replace(x, mma_acc=128) for x in wide]
     # Block scales change along K: each tile also with them loaded a step early (scale_prefetch).
     return c + [dataclasses.replace(x, scale_prefetch=True) for x in c] if block_scales else c
 
@@ -314,10 +314,11 @@ def write_table(path, target, points, args):
     if getattr(args, "gemm", False):
         gemm = data.setdefault("gemm_configs", {})
         new = gemm_table(points, args.up_to)
-        # An entry this sweep measured (same n, k; at or below up_to) gives way to the new ones.
-        old = {key: [e for e in entries if not any(e[1:3] == x[1:3] and (args.up_to is None or
-                                                                      e[0] <= args.up_to)
-                                                   for x in new.get(key, []))]
+        # An entry of a shape this sweep measured (same n, k), at or below up_to, gives way.
+        def replaced(key, e):
+            return (any(e[1:3] == x[1:3] for x in new.get(key, []))
+                    and (args.up_to is None or e[0] <= args.up_to))
+        old = {key: [e for e in entries if not replaced(key, e)]
                for key, entries in gemm.get(target.arch, {}).items()}
         for key, entries in new.items():
             old[key] = sorted(old.get(key, []) + entries, key=lambda e: (e[1], e[2], e[0]))

@@ -214,18 +214,22 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.mma_acc must be 0 or a power of two >= 32, got "
                              f"{self.mma_acc}")
 
+    # The optional fields of an entry, in order, and their defaults (left off at the end).
+    _OPTIONAL = (("mma_acc", 0), ("scale_prefetch", 0), ("k_unroll", 1))
+
     def as_entry(self) -> list:
-        tail = ([self.mma_acc, int(self.scale_prefetch), self.k_unroll] if self.k_unroll > 1 else
-                [self.mma_acc, 1] if self.scale_prefetch else [self.mma_acc] if self.mma_acc else [])
-        return [self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages,
-                int(self.swap)] + tail
+        entry = [self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages,
+                 int(self.swap)] + [int(getattr(self, name)) for name, _ in self._OPTIONAL]
+        while len(entry) > 6 and entry[-1] == self._OPTIONAL[len(entry) - 7][1]:
+            entry.pop()
+        return entry
 
     @classmethod
     def from_entry(cls, entry) -> "GemmConfig":
         """The config of an ``as_entry`` list (a tuned table's entry without its first three)."""
         bm, bn, bk, warps, stages, swap, *rest = entry
-        return cls(bm, bn, bk, warps, stages, bool(swap), *rest[:1], *map(bool, rest[1:2]),
-                   *rest[2:3])
+        mma_acc, prefetch, unroll = rest + [d for _, d in cls._OPTIONAL][len(rest):]
+        return cls(bm, bn, bk, warps, stages, bool(swap), mma_acc, bool(prefetch), unroll)
 
 
 # Rows up to which the GEMM runs its decode form: tokens padded in registers to 16 (the least
