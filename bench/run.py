@@ -2,7 +2,7 @@
 
 Writes ``results.md`` (the tables, also printed), ``results.json`` (every number and the
 environment) and, with matplotlib installed, ``results.png`` (bandwidth against tokens) to
-``--out`` (``--name``: another stem). The two reports are rewritten after every case, marked
+``--out`` (``--name``: another stem). The two reports are rewritten every 20 s of cases, marked
 partial until the last one, so a run cut short (a time limit) still leaves what it measured;
 ``--merge`` joins runs split over several calls into one report. Without a GPU it runs the
 interpret and reference paths at small sizes and labels the numbers as CPU wall-clock.
@@ -11,11 +11,13 @@ interpret and reference paths at small sizes and labels the numbers as CPU wall-
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import json
 import os
 import platform as py_platform
+import signal
 import subprocess
 import sys
 import time
@@ -90,16 +92,30 @@ def job_weight(op: str, config: str, tokens: int, dtype: str, gpu: bool) -> floa
     return variants * (1.0 + nbytes / _BYTES_PER_COMPILE["gpu" if gpu else "cpu"])
 
 
+def compile_together(calls: list[tuple]) -> None:
+    """Compile (and run once) each ``(fn, inputs)`` in threads, side by side, before any is
+    timed: XLA compiles with the GIL released, and a case compiles five to eight programs. Only
+    for cases without a GEMM: XLA autotunes its dots on the GPU while compiling, and autotuning
+    runs side by side would time each other."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        for f in [pool.submit(lambda fn, xs: jax.block_until_ready(fn(*xs)), fn, xs)
+                  for fn, xs in calls]:
+            f.result()
+
+
 def measure(case: bench_ops.Case, gpu: bool, calls: int, target) -> list[dict]:
     sets = bench_ops.input_sets(case, target) if gpu else [case.make_inputs(0)]
     n_sets = len(sets)
     clock = timing.time_device if gpu else timing.time_wall
+    make_copy, copies = bench_ops.copy_variants(case.bytes_moved)
+    copy_sets = [make_copy(s) for s in range(n_sets)]
+    if gpu and case.op in cases.OPS:
+        compile_together([(fn, sets[0]) for fn in case.variants.values()]
+                         + [(fn, copy_sets[0]) for fn in copies.values()])
     rows = []
     for name, fn in case.variants.items():
         t = clock(fn, sets, n_calls=calls)
         rows.append((name, t))
-    make_copy, copies = bench_ops.copy_variants(case.bytes_moved)
-    copy_sets = [make_copy(s) for s in range(n_sets)]
     copy_times = {name: clock(fn, copy_sets, n_calls=calls) for name, fn in copies.items()}
     best = min(copy_times, key=lambda k: copy_times[k].median_us)
     rows.append(("copy", copy_times[best]))
@@ -351,11 +367,19 @@ def main(argv=None) -> int:
         _log(f"--resume: {len(done)} cases of {args.resume} kept")
     else:
         done = set()
-    t_start = time.time()
+    t_start = written = time.time()
     env["cases"] = len(jobs)
     weights = [job_weight(op, cfg, t, args.dtype, gpu) for op, cfg, t in jobs]
-    _log(f"{len(jobs)} cases; writing {args.out}/{args.name}.md and {args.name}.json after each")
-    md = markdown(records, env)
+    _log(f"{len(jobs)} cases; writing {args.out}/{args.name}.md and {args.name}.json every 20 s")
+
+    def save():
+        env["fp8_cast_decisions"] = [dataclasses.asdict(d) for d in kp.fp8_cast_decisions()]
+        md = markdown(records, env)
+        write_report(args.out, args.name, md, {"environment": env, "records": records})
+        return md
+
+    # A time limit's SIGTERM (`timeout`) saves what was measured since the last write.
+    signal.signal(signal.SIGTERM, lambda *_: (save(), sys.exit(124)))
     for i, (op, cfg, t) in enumerate(jobs, 1):
         if (op, cfg, t) in done:
             env["cases_done"] = i
@@ -372,9 +396,12 @@ def main(argv=None) -> int:
         _log(f"[{i}/{len(jobs)} {elapsed:6.1f}s, ~{left:.0f}s left] {op} {cfg} T={t}: k3pallas "
              f"{k['median_us']:.2f} us ({detail})")
         env["cases_done"] = i
-        env["fp8_cast_decisions"] = [dataclasses.asdict(d) for d in kp.fp8_cast_decisions()]
-        md = markdown(records, env)
-        write_report(args.out, args.name, md, {"environment": env, "records": records})
+        # The reports every 20 s and at the end: each write formats every record so far, which
+        # after each of hundreds of cases added up.
+        if time.time() - written > 20:
+            md = save()
+            written = time.time()
+    md = save()
     # The bandwidth plot is a GPU result; CPU wall-clock numbers would only mislead in a picture.
     plotted = gpu and plot(records, env, os.path.join(args.out, f"{args.name}.png"))
     print(md)
