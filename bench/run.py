@@ -379,29 +379,32 @@ def main(argv=None) -> int:
         return md
 
     # A time limit's SIGTERM (`timeout`) saves what was measured since the last write.
-    signal.signal(signal.SIGTERM, lambda *_: (save(), sys.exit(124)))
-    for i, (op, cfg, t) in enumerate(jobs, 1):
-        if (op, cfg, t) in done:
+    before = signal.signal(signal.SIGTERM, lambda *_: (save(), sys.exit(124)))
+    try:
+        for i, (op, cfg, t) in enumerate(jobs, 1):
+            if (op, cfg, t) in done:
+                env["cases_done"] = i
+                continue
+            case = bench_ops.make_case(op, cfg, t, args.dtype, impl)
+            recs = measure(case, gpu, calls, target)
+            records += recs
             env["cases_done"] = i
-            continue
-        case = bench_ops.make_case(op, cfg, t, args.dtype, impl)
-        recs = measure(case, gpu, calls, target)
-        records += recs
-        k = next(r for r in recs if r["variant"] == "k3pallas")
-        elapsed = time.time() - t_start
-        left = elapsed * sum(weights[i:]) / max(1e-9, sum(w for w, j in zip(weights[:i], jobs)
-                                                            if j not in done))
-        detail = (f"{k['kernels_per_call']} kernels, {_fmt(k['pct_of_copy'], '.0f')}% of copy"
-                  if gpu else "CPU wall-clock")
-        _log(f"[{i}/{len(jobs)} {elapsed:6.1f}s, ~{left:.0f}s left] {op} {cfg} T={t}: k3pallas "
-             f"{k['median_us']:.2f} us ({detail})")
-        env["cases_done"] = i
-        # The reports every 20 s and at the end: each write formats every record so far, which
-        # after each of hundreds of cases added up.
-        if time.time() - written > 20:
-            md = save()
-            written = time.time()
-    md = save()
+            k = next(r for r in recs if r["variant"] == "k3pallas")
+            elapsed = time.time() - t_start
+            left = elapsed * sum(weights[i:]) / max(1e-9, sum(w for w, j in zip(weights[:i], jobs)
+                                                                if j not in done))
+            detail = (f"{k['kernels_per_call']} kernels, {_fmt(k['pct_of_copy'], '.0f')}% of copy"
+                      if gpu else "CPU wall-clock")
+            _log(f"[{i}/{len(jobs)} {elapsed:6.1f}s, ~{left:.0f}s left] {op} {cfg} T={t}: "
+                 f"k3pallas {k['median_us']:.2f} us ({detail})")
+            # The reports every 20 s and at the end: each write formats every record so far,
+            # which after each of hundreds of cases added up.
+            if time.time() - written > 20:
+                save()
+                written = time.time()
+        md = save()
+    finally:
+        signal.signal(signal.SIGTERM, before)
     # The bandwidth plot is a GPU result; CPU wall-clock numbers would only mislead in a picture.
     plotted = gpu and plot(records, env, os.path.join(args.out, f"{args.name}.png"))
     print(md)

@@ -92,7 +92,7 @@ def test_quick_mode_end_to_end(tmp_path):
     header = next(line for line in md.splitlines() if line.startswith("| T |"))
     assert "% copy" not in header and "GB/s" not in header  # meaningless on the CPU
     assert "CPU wall-clock" in proc.stderr and "s left]" in proc.stderr  # progress with time left
-    # The reports are rewritten after every case; this run finished, so it is not marked partial.
+    # The reports are rewritten as the run goes; this run finished, so it is not marked partial.
     assert env["cases_done"] == env["cases"] == 4 and "PARTIAL" not in md
     from bench import run as bench_run
 
@@ -531,3 +531,48 @@ def test_resume_and_suites(tmp_path):
     assert {(op, cfg) for op, cfg, _ in full} == {(op, cfg) for op, cfgs in
                                                   bench_cases.OP_CONFIGS.items() for cfg in cfgs}
     assert {(op, cfg, t) for op, cfg, ts in bench_cases.HEADLINE for t in ts} <= full
+
+
+def test_compile_together_runs_each_call_once_and_raises_its_error():
+    """The benchmark's side-by-side compiles: every ``(fn, inputs)`` run (so compiled) once,
+    in threads; a failing one's error reaches the caller."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench import run as bench_run
+
+    seen = []
+    fns = [jax.jit(lambda x, i=i: (seen.append(i), x * i)[1]) for i in range(3)]
+    bench_run.compile_together([(fn, (jnp.ones(4),)) for fn in fns])
+    assert sorted(seen) == [0, 1, 2]  # each traced once
+
+    def broken(x):
+        raise ValueError("broken variant")
+    with pytest.raises(ValueError, match="broken variant"):
+        bench_run.compile_together([(fns[0], (jnp.ones(4),)), (broken, (jnp.ones(4),))])
+
+
+@pytest.mark.slow
+def test_a_time_limit_saves_the_cases_measured(tmp_path):
+    """``timeout``'s SIGTERM mid-run writes the cases measured so far (marked partial) and exits
+    124, so ``--resume`` continues from them; without it a run cut short within 20 s of its last
+    write would lose those cases."""
+    import signal
+
+    out = tmp_path / "b"
+    proc = subprocess.Popen([sys.executable, "-m", "bench", "--ops", "rmsnorm", "--calls", "2",
+                             "--tokens", "1,7,64,256,512,1024,2048,4096", "--out", str(out)],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:  # the first case's progress line
+            if line.startswith("[1/"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 124
+    finally:
+        proc.kill()
+    data = json.loads((out / "results.json").read_text())
+    env = data["environment"]
+    assert 1 <= env["cases_done"] < env["cases"] == 8
+    assert len({r["tokens"] for r in data["records"]}) == env["cases_done"]
+    assert "PARTIAL RUN" in (out / "results.md").read_text()
