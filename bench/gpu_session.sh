@@ -61,7 +61,7 @@ for step in $steps; do
           timeout ${BENCH_TIMEOUT:-200} python3 -m bench --ops linear --out "$OUT" $BENCH_ARGS 2>/dev/null | grep "^|" | tail -60
           rm -f "$OUT/results.png" "$OUT/tune.md"  # tune.json holds its points (bench.tune.gemm_markdown)
           [[ -n "${VLLM_SOURCE:-}" ]] && timeout ${PEERS_TIMEOUT:-60} python3 -m bench.inspection.beside_gemm --vllm-source "$VLLM_SOURCE" ${VLLM_CONFIGS:+--vllm-configs "$VLLM_CONFIGS"} --out "$OUT" 2>/dev/null | tail -30 ;;
-    # The full suite (bench.cases.FULL, 20-28 min on an H100: an estimate) at one commit over three
+    # The full suite (bench.cases.FULL, about 11-12 min on an H100) at one commit over two
     # calls: FULL_RESUME=<the last call's full_<card>.json, carried in an ignored folder>
     # continues it (bench/run.py refuses another commit or device). CARD names the report.
     full) timeout ${FULL_TIMEOUT:-540} python3 -m bench --suite full --name "full_${CARD:-gpu}" --out "$OUT" ${FULL_RESUME:+--resume "$FULL_RESUME"} 2>"$OUT/full.log" | grep "^|" | tail -3
