@@ -63,8 +63,10 @@ for step in $steps; do
           [[ -n "${VLLM_SOURCE:-}" ]] && timeout ${PEERS_TIMEOUT:-60} python3 -m bench.inspection.beside_gemm --vllm-source "$VLLM_SOURCE" ${VLLM_CONFIGS:+--vllm-configs "$VLLM_CONFIGS"} --out "$OUT" 2>/dev/null | tail -30 ;;
     # The full suite (bench.cases.FULL, about 11-12 min on an H100) at one commit over two
     # calls: FULL_RESUME=<the last call's full_<card>.json, carried in an ignored folder>
-    # continues it (bench/run.py refuses another commit or device). CARD names the report.
-    full) timeout ${FULL_TIMEOUT:-540} python3 -m bench --suite full --name "full_${CARD:-gpu}" --out "$OUT" ${FULL_RESUME:+--resume "$FULL_RESUME"} 2>"$OUT/full.log" | grep "^|" | tail -3
+    # continues it (bench/run.py refuses another commit or device). CARD names the report
+    # (default: h100 / h200 from nvidia-smi's name, else gpu).
+    full) card=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oi 'h[12]00' | tr A-Z a-z)}
+          timeout ${FULL_TIMEOUT:-540} python3 -m bench --suite full --name "full_${card:-gpu}" --out "$OUT" ${FULL_RESUME:+--resume "$FULL_RESUME"} 2>"$OUT/full.log" | grep "^|" | tail -3
           rm -f "$OUT"/full_*.png ;;
     sharded) timeout ${SHARDED_TIMEOUT:-300} python3 -m bench.inspection.sharded --out "$OUT" 2>"$OUT/sharded.log" | tail -30 ;;
     # The residual add + norm beside Liger's and flash-linear-attention's (their wheels in .whl:
