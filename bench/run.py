@@ -280,9 +280,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def resumed(path: str, env: dict) -> list[dict]:
-    """The records of a partial run to continue; SystemExit unless it was made at this commit,
-    on this kind of device, with the same jax."""
+def resumed(path: str, env: dict) -> tuple[list[dict], dict]:
+    """The records and environment of a partial run to continue; SystemExit unless it was made
+    at this commit, on this kind of device, with the same jax."""
     with open(path) as f:
         prev = json.load(f)
     penv = prev.get("environment", {})
@@ -290,7 +290,7 @@ def resumed(path: str, env: dict) -> list[dict]:
         if penv.get(key) != env.get(key):
             raise SystemExit(f"--resume: {path} was made with {key} {penv.get(key)!r}, this run has "
                              f"{env.get(key)!r}; a report holds one commit on one device")
-    return list(prev.get("records", []))
+    return list(prev.get("records", [])), penv
 
 
 def merge(paths, out_dir: str, stem: str) -> None:
@@ -360,9 +360,13 @@ def main(argv=None) -> int:
         for cfg in cfgs:
             for t in op_tokens:
                 jobs.append((op, cfg, t))
-    records = []
+    records, prev_casts = [], []
     if args.resume:
-        records = resumed(args.resume, env)
+        records, penv = resumed(args.resume, env)
+        # The report's dates and FP8 conversion decisions are those of every part of the run
+        # (a part that measures only GEMMs makes no conversion decision).
+        env["date"] = ", ".join(dict.fromkeys(penv.get("date", "").split(", ") + [env["date"]]))
+        prev_casts = penv.get("fp8_cast_decisions", [])
         done = {(r["op"], r["config"], r["tokens"]) for r in records}
         _log(f"--resume: {len(done)} cases of {args.resume} kept")
     else:
@@ -373,7 +377,8 @@ def main(argv=None) -> int:
     _log(f"{len(jobs)} cases; writing {args.out}/{args.name}.md and {args.name}.json every 20 s")
 
     def save():
-        env["fp8_cast_decisions"] = [dataclasses.asdict(d) for d in kp.fp8_cast_decisions()]
+        casts = prev_casts + [dataclasses.asdict(d) for d in kp.fp8_cast_decisions()]
+        env["fp8_cast_decisions"] = list({json.dumps(d, sort_keys=True): d for d in casts}.values())
         md = markdown(records, env)
         write_report(args.out, args.name, md, {"environment": env, "records": records})
         return md

@@ -513,9 +513,20 @@ def test_resume_and_suites(tmp_path):
     argv = ["--ops", "fused_q_kv_rmsnorm", "--tokens", "1,64", "--calls", "2", "--out", str(out)]
     assert bench_run.main(argv[:3] + ["1"] + argv[4:]) == 0  # the first case only
     first = json.loads((out / "results.json").read_text())
-    (tmp_path / "partial.json").write_text(json.dumps(first))
+    # the first part's conversion decisions and date stay in the report (a later part may make
+    # none: it measured only GEMMs)
+    cast = {"dtype": "float8_e4m3fn", "target": "first part", "mode": "auto", "native": True,
+            "reason": "kept from the first part"}
+    partial = dict(first, environment=dict(first["environment"], date="first-date",
+                                           fp8_cast_decisions=[cast]))
+    (tmp_path / "partial.json").write_text(json.dumps(partial))
     assert bench_run.main(argv + ["--resume", str(tmp_path / "partial.json")]) == 0
     data = json.loads((out / "results.json").read_text())
+    assert cast in data["environment"]["fp8_cast_decisions"]
+    assert data["environment"]["date"].startswith("first-date, ")
+    # (the CPU report prints no conversion line; a GPU one does)
+    assert "kept from the first part" in bench_run.markdown(
+        [], dict(data["environment"], backend="cuda"))
     assert {r["tokens"] for r in data["records"]} == {1, 64}
     kept = [r for r in data["records"] if r["tokens"] == 1]
     assert kept == [r for r in first["records"]]  # kept as measured, not measured again
