@@ -18,7 +18,6 @@ import json
 import os
 import platform as py_platform
 import signal
-import subprocess
 import sys
 import time
 
@@ -29,7 +28,7 @@ from k3pallas import platform
 
 from bench import ops as bench_ops
 from bench import cases, timing
-from bench.report import write_report
+from bench.report import git_commit, write_report
 
 CPU_TOKENS = (1, 7, 64)
 
@@ -39,15 +38,7 @@ def _log(msg):
 
 
 def environment(target) -> dict:
-    # K3PALLAS_GIT_COMMIT: for runs from a copy of the tree without .git (the GPU machine).
-    commit = os.environ.get("K3PALLAS_GIT_COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                    text=True, cwd=os.path.dirname(__file__),
-                                    timeout=10).stdout.strip()
-        except Exception:  # noqa: BLE001 - the commit is informative only
-            commit = ""
+    commit = git_commit()
     import jaxlib
 
     return {

@@ -25,7 +25,7 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
 from bench import cases, ops as bench_ops, timing  # noqa: E402
-from bench.report import write_report  # noqa: E402
+from bench.report import git_commit, write_report  # noqa: E402
 
 KERNEL = "_w8a8_triton_block_scaled_mm"
 DEFAULT_CONFIG = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 32,
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
                   f"vLLM / k3pallas {vllm_us / ours_us:.2f}", file=sys.stderr, flush=True)
     md = [f"# The group-FP8 GEMM beside vLLM's Triton block-scaled GEMM, {target.device_kind}", "",
           f"One process, one clock (`python -m bench.inspection.beside_gemm`, jax {jax.__version__}, "
-          f"torch {torch.__version__}); device time per call (median), bf16 output; a weight per "
+          f"torch {torch.__version__}, commit {git_commit() or '?'}); device time per call (median), bf16 output; a weight per "
           "input set. `err`: ||out - ref|| / ||ref|| against the float64 product.", "",
           "| config | T | k3pallas us | vLLM us (config) | vLLM / k3pallas | err k3pallas / vLLM |",
           "|---|---|---|---|---|---|"]
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
                   f"({r['vllm_config_source']}) | {r['vllm_us'] / r['k3pallas_us']:.2f} | "
                   f"{r['k3pallas_rel_err']:.2e} / {r['vllm_rel_err']:.2e} |")
     text = "\n".join(md)
-    write_report(args.out, "beside_gemm", text, {"device": device, "rows": rows})
+    write_report(args.out, "beside_gemm", text, {"device": device, "commit": git_commit(), "rows": rows})
     print(text)
     return 0
 
