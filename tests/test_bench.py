@@ -587,3 +587,15 @@ def test_a_time_limit_saves_the_cases_measured(tmp_path):
     assert 1 <= env["cases_done"] < env["cases"] == 8
     assert len({r["tokens"] for r in data["records"]}) == env["cases_done"]
     assert "PARTIAL RUN" in (out / "results.md").read_text()
+
+
+def test_the_copy_ceiling_moves_whole_vectors():
+    """The copy's element count is a multiple of 64 at any byte count (an odd count made XLA's
+    copy kernel load one word at a time: a slow ceiling), and never fewer bytes than asked."""
+    from bench import ops as bench_ops
+
+    for nbytes in (1, 8, 11149852, 33163292, 14823452, 1 << 20):
+        make, copies = bench_ops.copy_variants(nbytes)
+        a, _ = make(0)
+        assert a.shape[0] % 64 == 0 and 2 * a.nbytes >= nbytes and 2 * a.nbytes - nbytes < 1024
+        assert set(copies) == {"memcpy", "xor_kernel"}
