@@ -316,9 +316,9 @@ HEADLINE = (
     ("linear", "kimi-k3-oproj-tp8-fp8_per_token", (1, 64, 4096)),
 )
 # The full suite (``python -m bench --suite full``): every op and config at the token counts the
-# docs read (decode, mid, prefill), the headline's among them; about 11-12 minutes on an H100
-# (421 of its cases in 583 s at f42b5c7), so two device calls joined by ``--resume`` (one commit,
-# one device).
+# docs read (decode, mid, prefill), the headline's among them; about 11 minutes on an H100
+# (f42b5c7: 447 + 136 + 81 s in three calls), so two device calls joined by ``--resume`` (one
+# commit, one device).
 FULL_TOKENS = (1, 16, 64, 256, 512, 4096, 65536)
 FULL = tuple((op, cfg, OP_TOKENS.get(op, FULL_TOKENS)) for op, cfgs in OP_CONFIGS.items()
              for cfg in cfgs)
