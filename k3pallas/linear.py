@@ -40,9 +40,11 @@ PALLAS_IMPLS = ("pallas", "interpret")
 # "auto" on a GPU takes the Pallas GEMM up to these many rows (None: any) and the XLA lowerings
 # beyond: the crossovers measured on an H100 (docs/formats.md, Consumers). Group FP8: the kernel
 # beat every XLA lowering at T = 7 ... 4096 on the three model shapes (1.1-9x; at T = 1 within
-# 2 %). Per-token FP8: the kernel up to 16 rows (1.04-2.06x faster than cuBLASLt's FP8 GEMM
-# there); cuBLASLt from 64 rows at K = 7168 and from 512 at K <= 2048.
+# 2 %). Per-token FP8: the kernel up to 16 rows (1.09-2.07x faster than cuBLASLt's FP8 GEMM
+# there) and, at K <= 2048, up to 64 (1.22-1.25x at 64 rows); cuBLASLt from 64 rows at K = 7168
+# and from 512 at K <= 2048 (between 16 and 64, and 64 and 512, not measured).
 PALLAS_PER_TOKEN_MAX_ROWS = 16
+PALLAS_PER_TOKEN_SHORT_K = (2048, 64)  # (K at most, rows at most)
 PALLAS_GROUP_MAX_ROWS = None
 
 
@@ -170,8 +172,9 @@ def linear(qa: QuantizedActivation, qw: QuantizedWeight, *, out_dtype=jnp.bfloat
         which XLA maps onto the FP8 GEMM's accumulation mode); None for the Pallas GEMM (it
         accumulates in float32) and MX (ValueError otherwise); ``impl="reference"`` computes
         at ``Precision.HIGHEST`` whatever is given.
-      impl: "auto": on a GPU the Pallas GEMM up to ``PALLAS_PER_TOKEN_MAX_ROWS`` (16) /
-        ``PALLAS_GROUP_MAX_ROWS`` (any) rows, else, and without a GPU, the
+      impl: "auto": on a GPU the Pallas GEMM up to ``PALLAS_PER_TOKEN_MAX_ROWS`` (16; 64 at
+        K <= 2048, ``PALLAS_PER_TOKEN_SHORT_K``) / ``PALLAS_GROUP_MAX_ROWS`` (any) rows, else,
+        and without a GPU, the
         XLA lowerings ("dot_general"; group FP8 "per_group" up to ``PER_GROUP_MAX_ROWS`` rows,
         else "dequantize"); MX ``jax.nn.scaled_matmul`` on a GPU, the reference elsewhere (it
         has no CPU lowering). "pallas" (a GPU target, RuntimeError otherwise) / "interpret": the Pallas
@@ -219,7 +222,7 @@ def linear(qa: QuantizedActivation, qw: QuantizedWeight, *, out_dtype=jnp.bfloat
     rows = math.prod(lead)
     target = platform.current_target(data)
     if impl == "auto":
-        impl = _auto(fmt, rows, target, precision)
+        impl = _auto(fmt, rows, k, target, precision)
     if impl in PALLAS_IMPLS:  # the ops' rule: "pallas" without a GPU is a RuntimeError
         interpret = ops.resolve_impl(impl, op, target) == "interpret"
         return _pallas(qa, qw, out_dtype, interpret, target)
@@ -258,12 +261,14 @@ def _check_precision(op, precision):
                      f"jax.lax.DotAlgorithmPreset; got {precision!r}")
 
 
-def _auto(fmt, rows: int, target, precision) -> str:
+def _auto(fmt, rows: int, k: int, target, precision) -> str:
     """The implementation "auto" runs (``linear``'s docstring)."""
     if isinstance(fmt, formats.Mx):
         return "scaled_matmul" if target.is_gpu else "reference"
     group = isinstance(fmt, formats.Fp8Group)
     most = PALLAS_GROUP_MAX_ROWS if group else PALLAS_PER_TOKEN_MAX_ROWS
+    if not group and most is not None and k <= PALLAS_PER_TOKEN_SHORT_K[0]:
+        most = max(most, PALLAS_PER_TOKEN_SHORT_K[1])
     if target.is_gpu and precision is None and (most is None or rows <= most):
         return "pallas"
     if group:

@@ -167,10 +167,12 @@ def test_zero_rows_and_impls(rng):
 
 def test_auto_takes_the_kernel_up_to_its_row_limits(rng, monkeypatch):
     """"auto" on a GPU target: the Pallas GEMM up to ``PALLAS_PER_TOKEN_MAX_ROWS`` /
-    ``PALLAS_GROUP_MAX_ROWS`` rows, the XLA lowerings beyond; on the CPU the XLA lowerings."""
+    ``PALLAS_GROUP_MAX_ROWS`` rows (per-token: more at a short K, ``PALLAS_PER_TOKEN_SHORT_K``),
+    the XLA lowerings beyond; on the CPU the XLA lowerings."""
     import importlib
 
     linear_mod = importlib.import_module("k3pallas.linear")
+    monkeypatch.setattr(linear_mod, "PALLAS_PER_TOKEN_SHORT_K", (0, 0))
     for fmt, limit in (("fp8_group128", "PALLAS_GROUP_MAX_ROWS"),
                        ("fp8_per_token", "PALLAS_PER_TOKEN_MAX_ROWS")):
         qa, qw = _operands(rng, 4, 256, 64, fmt)
@@ -183,6 +185,14 @@ def test_auto_takes_the_kernel_up_to_its_row_limits(rng, monkeypatch):
                 given = str(jax.make_jaxpr(lambda a, w: kp.linear(a, w, precision="highest"))(qa, qw))
             assert ("pallas_call" in on_gpu) == (most is None or 4 <= most), (fmt, most)
             assert "pallas_call" not in given  # precision asks for an XLA lowering
+    # per-token FP8 at K = 256 and 4 rows, the row limit 3: the kernel where K is short enough
+    qa, qw = _operands(rng, 4, 256, 64, "fp8_per_token")
+    monkeypatch.setattr(linear_mod, "PALLAS_PER_TOKEN_MAX_ROWS", 3)
+    for short_k, kernel in (((128, 64), False), ((256, 4), True), ((256, 3), False)):
+        monkeypatch.setattr(linear_mod, "PALLAS_PER_TOKEN_SHORT_K", short_k)
+        with kp.compiling_for(platform.target_from_name("sm_90")):
+            on_gpu = str(jax.make_jaxpr(lambda a, w: kp.linear(a, w))(qa, qw))
+        assert ("pallas_call" in on_gpu) == kernel, short_k
 
 
 def test_configs():
