@@ -41,10 +41,10 @@ PALLAS_IMPLS = ("pallas", "interpret")
 # beyond: the crossovers measured on an H100 (docs/formats.md, Consumers). Group FP8: the kernel
 # beat every XLA lowering at T = 7 ... 4096 on the three model shapes (1.1-9x; at T = 1 within
 # 2 %). Per-token FP8: the kernel up to 16 rows (1.09-2.07x faster than cuBLASLt's FP8 GEMM
-# there) and, at K <= 2048, up to 64 (1.22-1.25x at 64 rows); cuBLASLt from 64 rows at K = 7168
-# and from 512 at K <= 2048 (between 16 and 64, and 64 and 512, not measured).
+# there) and, at K <= 2048, up to 128 (1.13-1.65x at 24-128 rows); cuBLASLt from 24 rows at
+# K = 7168 and at 512 at K <= 2048 (between 128 and 512 not measured).
 PALLAS_PER_TOKEN_MAX_ROWS = 16
-PALLAS_PER_TOKEN_SHORT_K = (2048, 64)  # (K at most, rows at most)
+PALLAS_PER_TOKEN_SHORT_K = (2048, 128)  # (K at most, rows at most)
 PALLAS_GROUP_MAX_ROWS = None
 
 
@@ -172,7 +172,7 @@ def linear(qa: QuantizedActivation, qw: QuantizedWeight, *, out_dtype=jnp.bfloat
         which XLA maps onto the FP8 GEMM's accumulation mode); None for the Pallas GEMM (it
         accumulates in float32) and MX (ValueError otherwise); ``impl="reference"`` computes
         at ``Precision.HIGHEST`` whatever is given.
-      impl: "auto": on a GPU the Pallas GEMM up to ``PALLAS_PER_TOKEN_MAX_ROWS`` (16; 64 at
+      impl: "auto": on a GPU the Pallas GEMM up to ``PALLAS_PER_TOKEN_MAX_ROWS`` (16; 128 at
         K <= 2048, ``PALLAS_PER_TOKEN_SHORT_K``) / ``PALLAS_GROUP_MAX_ROWS`` (any) rows, else,
         and without a GPU, the
         XLA lowerings ("dot_general"; group FP8 "per_group" up to ``PER_GROUP_MAX_ROWS`` rows,
