@@ -14,6 +14,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl  # noqa: F401  (re-exported for the kernel modules)
 from jax.experimental.pallas import triton as plgpu
 
+# jax 0.12 defines the config option ``pallas_fuser_disable_nested_fuse``, part of every jit's
+# trace context, in a module that the first interpret-mode ``pallas_call`` imports: a function
+# jitted before it would trace again on its second call (a new trace context). Imported here,
+# the context is whole from the start (tests/test_properties.py: a fresh process).
+try:
+    import jax.experimental.pallas.fuser  # noqa: F401
+except ImportError:  # pragma: no cover - a jax without it has no such option either
+    pass
+
 
 def _parse_version(text: str) -> tuple[int, ...]:
     parts = []

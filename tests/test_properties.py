@@ -220,3 +220,30 @@ def test_linear_traces_once_with_records_in_and_out(fmt, impl):
         x = jax.random.normal(jax.random.PRNGKey(seed), (4, 256), jnp.bfloat16)
         qa, out = layer(x, qw)
         assert isinstance(qa, kp.QuantizedActivation) and out.shape == (4, 64)
+
+
+@pytest.mark.slow
+def test_a_fresh_process_traces_once(tmp_path):
+    """In a fresh process (nothing imported by earlier tests), the first interpret-mode calls
+    define no new jit trace-context option: a function jitted before them traces once, not again
+    on its second call (jax 0.12 defines one in a module the first interpret call imports;
+    ``k3pallas._compat`` imports it up front)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "fresh.py"
+    script.write_text("""
+import chex, jax, jax.numpy as jnp, k3pallas as kp
+qw = kp.quantize_weight(jnp.ones((256, 64)), "fp8_group128")
+@jax.jit
+@chex.assert_max_traces(n=1)
+def layer(x):
+    qa = kp.rmsnorm(x, jnp.ones(256, jnp.bfloat16), out_format="fp8_group128", impl="interpret")
+    return kp.linear(qa, qw, impl="interpret")
+for seed in range(3):
+    layer(jax.random.normal(jax.random.PRNGKey(seed), (4, 256), jnp.bfloat16))
+print("ok")
+""")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
