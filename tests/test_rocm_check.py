@@ -347,3 +347,23 @@ def test_amd_cost_gemm_rows():
     mem = nbytes / (4.2e12 * min(1.0, g["programs"] / 304)) * 1e6
     assert abs(g["memory_us"] - mem) < 1e-9 and g["bound"] == "memory"
     assert g["predicted_us"] == amd_cost.LAUNCH_FLOOR_US + amd_cost.HBM_LATENCY_US + mem
+
+
+def test_the_sample_holds_every_amd_launch_config():
+    """``--sample`` (CI's gate) compiles the row kernels at ``SAMPLE_TOKENS`` only: that is every
+    launch config AMD's heuristic gives them at the benchmark's token counts, for row widths from
+    64 to 16384 elements, on both archs; and no tuned entry for an AMD arch overrides it."""
+    from bench import cases as bench_cases
+    from k3pallas import platform
+    from k3pallas.kernels import launch
+
+    assert not set(launch.tuned_table()) & set(rocm_check.ARCHS)
+    for arch in rocm_check.ARCHS:
+        target = platform.target_from_name(arch)
+        for width in [1 << e for e in range(6, 15)] + [1536, 7168, 12288]:
+            for tile in {min(width, 2048), width}:
+                def config(t):
+                    return launch.heuristic_config("any", t, width, tile, target)
+                sampled = {config(t) for t in rocm_check.SAMPLE_TOKENS}
+                assert {config(t) for t in bench_cases.DEFAULT_TOKENS} == sampled, (arch, width)
+    assert {1, 7} <= set(rocm_check.SAMPLE_TOKENS)
