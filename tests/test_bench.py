@@ -406,6 +406,7 @@ def test_ir_hashes_tell_a_kernel_change_from_a_rename(tmp_path):
     assert ir_hashes.normalized(ir, "k3pallas_x") == "module @kernel {\n  tt.func public @kernel()\n}"
 
 
+@pytest.mark.slow  # an end-to-end run of the tool (fast tier: 9-10 s)
 def test_ab_loads_a_git_ref_as_its_own_package(tmp_path):
     """``bench.inspection.ab`` imports a git ref's ``k3pallas`` as ``k3pallas_base`` (every import
     renamed, so its kernels are its own): against HEAD the working tree gives the same bits, and
@@ -503,6 +504,7 @@ def test_tune_gemm_table_and_write(tmp_path, monkeypatch):
         launch.gemm_tuned_table.cache_clear()
 
 
+@pytest.mark.slow  # an end-to-end run of the tool (fast tier: 9-10 s)
 def test_resume_and_suites(tmp_path):
     """``--resume``: a run cut short continues with the same job list, its measured cases kept
     (not measured again), refused for another commit or device; ``--suite headline`` names

@@ -56,6 +56,7 @@ def test_large_values_are_exact_at_the_smallest_fp8_max(impl):
     assert np.abs(out[0, 0] - 3e38) / 3e38 < 1e-6
 
 
+@pytest.mark.slow  # three subprocesses (fast tier: 9.5 s)
 @pytest.mark.parametrize("cmd,match", [
     (["-m", "k3pallas.models.kimi_k3", "--tokens", "0"], "expected a whole number >= 1, got 0"),
     (["-m", "bench", "--tokens", "-3"], "--tokens: expected whole numbers >= 1"),

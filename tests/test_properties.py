@@ -8,7 +8,8 @@ the format's bound, a NaN or infinity confined to its own token (per-token) or b
 re-quantization of a dequantized record, mis-built records refused; the kernels in interpret
 mode against the reference at drawn row counts, widths and head layouts. chex: each public op
 and ``linear`` traced once per shape and option set under ``jax.jit``, records in and out.
-Cost: 40-65 s of the fast tier on 2 cores (the interpret-mode examples are few: each compiles).
+Cost: about 50 s of CPU in the fast tier (jax 0.10.2; the examples are few: each new shape
+compiles).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _scale_units(fmt, n):
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-@settings(max_examples=12)
+@settings(max_examples=6)
 @given(data=st.data())
 def test_quantize_matches_the_oracle_and_round_trips(name, data):
     fmt = FORMATS[name]
@@ -105,7 +106,7 @@ def test_quantize_matches_the_oracle_and_round_trips(name, data):
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-@settings(max_examples=10)
+@settings(max_examples=5)
 @given(data=st.data())
 def test_requantizing_a_dequantized_record(name, data):
     """A dequantized record quantizes back: float32 scales to the same codes and the scale
@@ -128,7 +129,7 @@ def test_requantizing_a_dequantized_record(name, data):
 
 
 @pytest.mark.parametrize("name", ["per_token_e4m3fn", "group_f32", "mxfp4"])
-@settings(max_examples=8)
+@settings(max_examples=5)
 @given(data=st.data())
 def test_records_refuse_what_their_format_does_not_write(name, data):
     fmt = FORMATS[name].resolve(kp.current_target())
