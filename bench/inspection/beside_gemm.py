@@ -134,9 +134,10 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{name} T={t}: k3pallas {ours_us:.2f} us, vLLM {vllm_us:.2f} us ({source}), "
                   f"vLLM / k3pallas {vllm_us / ours_us:.2f}", file=sys.stderr, flush=True)
+    commit = git_commit()
     md = [f"# The group-FP8 GEMM beside vLLM's Triton block-scaled GEMM, {target.device_kind}", "",
           f"One process, one clock (`python -m bench.inspection.beside_gemm`, jax {jax.__version__}, "
-          f"torch {torch.__version__}, commit {git_commit() or '?'}); device time per call (median), bf16 output; a weight per "
+          f"torch {torch.__version__}, commit {commit or '?'}); device time per call (median), bf16 output; a weight per "
           "input set. `err`: ||out - ref|| / ||ref|| against the float64 product.", "",
           "| config | T | k3pallas us | vLLM us (config) | vLLM / k3pallas | err k3pallas / vLLM |",
           "|---|---|---|---|---|---|"]
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
                   f"({r['vllm_config_source']}) | {r['vllm_us'] / r['k3pallas_us']:.2f} | "
                   f"{r['k3pallas_rel_err']:.2e} / {r['vllm_rel_err']:.2e} |")
     text = "\n".join(md)
-    write_report(args.out, "beside_gemm", text, {"device": device, "commit": git_commit(), "rows": rows})
+    write_report(args.out, "beside_gemm", text, {"device": device, "commit": commit, "rows": rows})
     print(text)
     return 0
 
