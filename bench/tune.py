@@ -78,8 +78,11 @@ def gemm_candidates(t: int, block_scales: bool, amd: bool = False) -> list:
              C(64, 128, 128, 4, 4), C(128, 64, 128, 4, 4), C(64, 128, 128, 4, 3)]
         if not block_scales:
             c += [C(128, 256, 128, 8, 3), C(128, 256, 64, 8, 4), C(256, 128, 64, 8, 3)]
-    if amd:  # LDS: 64 KB on gfx942; 16 wavefronts of 64 at most
-        c = [x for x in c if x.num_warps <= 8 and (x.block_m + x.block_n) * x.block_k * x.num_stages <= 64 << 10]
+    if amd:  # LDS: 64 KB on gfx942; 16 wavefronts of 64 at most. Each tile also 2 stages deep
+        # (the AMD heuristic's depth), K steps of 64 where 128 do not fit.
+        c = c + [dataclasses.replace(x, num_stages=2, block_k=bk) for bk in (128, 64) for x in c]
+        c = [x for x in dict.fromkeys(c) if x.num_warps <= 8
+             and (x.block_m + x.block_n) * x.block_k * x.k_unroll * x.num_stages <= 64 << 10]
     else:
         # Hopper: each tile whose matrix-core M reaches 64 also with its partial sums promoted
         # every 128 products (GemmConfig.mma_acc), the FP8 wgmma (QGMMA) Triton takes then,

@@ -406,6 +406,26 @@ def test_ir_hashes_tell_a_kernel_change_from_a_rename(tmp_path):
     assert ir_hashes.normalized(ir, "k3pallas_x") == "module @kernel {\n  tt.func public @kernel()\n}"
 
 
+def test_tune_gemm_candidates_can_run():
+    """Every GEMM candidate the sweep times is a valid config for its problem (block scales:
+    columns and K steps within the 128-blocks), and on AMD its operand tiles (``k_unroll`` steps
+    an iteration, ``num_stages`` deep) fit gfx942's 64 KB of LDS."""
+    from bench import tune
+    from k3pallas.kernels import gemm
+    for t in (1, 64, 512, 4096):
+        for block in (True, False):
+            for amd in (False, True):
+                cands = tune.gemm_candidates(t, block, amd)
+                assert cands and len(set(cands)) == len(cands), (t, block, amd)
+                for c in cands:
+                    gemm.check_config(c, a_group=128 if block else 7168,
+                                      w_scale="block" if block else "channel", k=7168)
+                    if amd:
+                        assert (c.block_m + c.block_n) * c.block_k * c.k_unroll * c.num_stages \
+                            <= 64 << 10, c
+    assert any(c.k_unroll == 4 for c in tune.gemm_candidates(64, True, False))
+
+
 @pytest.mark.slow  # an end-to-end run of the tool (fast tier: 9-10 s)
 def test_ab_loads_a_git_ref_as_its_own_package(tmp_path):
     """``bench.inspection.ab`` imports a git ref's ``k3pallas`` as ``k3pallas_base`` (every import
