@@ -61,7 +61,9 @@ def gemm_candidates(t: int, block_scales: bool, amd: bool = False) -> list:
     elif t <= 128:
         c = [C(16, 32, 128, 4, 4), C(32, 32, 128, 4, 4), C(64, 32, 128, 4, 4), C(64, 64, 128, 4, 4),
              C(64, 64, 128, 4, 3), C(32, 64, 128, 4, 4), C(16, 64, 128, 4, 4), C(64, 128, 128, 4, 4),
-             # a long K's loop overhead once per 2 or 4 steps (the decode tiles' gain at K = 7168)
+             # more of a long K in flight (the 72 programs of 64 x 64 at K = 7168 hold 4.6 MB),
+             # and its loop overhead once per 2 or 4 steps (the decode tiles' gain at K = 7168)
+             C(64, 64, 128, 4, 6), C(64, 64, 128, 4, 8),
              C(64, 64, 128, 4, 3, k_unroll=2), C(64, 64, 128, 4, 3, k_unroll=4),
              C(64, 64, 128, 4, 2, k_unroll=4), C(64, 32, 128, 4, 3, k_unroll=2),
              C(64, 32, 128, 4, 3, k_unroll=4), C(32, 64, 128, 4, 3, k_unroll=4),
