@@ -16,10 +16,10 @@ import pytest
 # add (an FMA; some float32 scales moved 1-2 ulp); every oracle's tolerance holds either way, and
 # CI runs one Python's fast tier with XLA's defaults (K3PALLAS_TEST_XLA_DEFAULTS=1). Set before jax
 # creates a backend. A GPU machine keeps XLA's defaults.
-if not (os.environ.get("K3PALLAS_TEST_XLA_DEFAULTS")
+_O0 = "--xla_backend_optimization_level=0"
+if not (os.environ.get("K3PALLAS_TEST_XLA_DEFAULTS") or _O0 in os.environ.get("XLA_FLAGS", "")
         or any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd"))):
-    os.environ["XLA_FLAGS"] = " ".join(
-        [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), _O0]).strip()
 
 # Fresh data every run; K3PALLAS_TEST_SEED=<n> replays a run.
 SEED = int(os.environ.get("K3PALLAS_TEST_SEED", random.SystemRandom().randrange(2**31)))
