@@ -40,6 +40,12 @@ from bench.report import write_report
 GEMM_TOKENS = (1, 16, 64, 512, 4096)
 
 
+def amd_lds_bytes(cfg) -> int:
+    """The GEMM's LDS on gfx942 / gfx950 as XLA's ROCm compile gives it (the gate's reports):
+    the operand tiles of ``k_unroll`` steps, ``num_stages - 1`` deep."""
+    return (cfg.block_m + cfg.block_n) * cfg.block_k * cfg.k_unroll * max(cfg.num_stages - 1, 1)
+
+
 def gemm_candidates(t: int, block_scales: bool, amd: bool = False) -> list:
     """The GEMM configs swept at ``t`` tokens: decode tiles of 16 rows (narrow column blocks for
     many programs, or the swapped tile), mid-size tiles, prefill tiles; column blocks within the
@@ -80,11 +86,11 @@ def gemm_candidates(t: int, block_scales: bool, amd: bool = False) -> list:
              C(64, 128, 128, 4, 4), C(128, 64, 128, 4, 4), C(64, 128, 128, 4, 3)]
         if not block_scales:
             c += [C(128, 256, 128, 8, 3), C(128, 256, 64, 8, 4), C(256, 128, 64, 8, 3)]
-    if amd:  # LDS: 64 KB on gfx942; 16 wavefronts of 64 at most. Each tile also 2 stages deep
-        # (the AMD heuristic's depth), K steps of 64 where 128 do not fit.
+    if amd:  # Each tile also 2 stages deep (the AMD heuristic's depth), K steps of 64 where 128
+        # do not fit; kept where the gate can pass it (bench.rocm.check: occupancy >= 4 waves a
+        # SIMD): 4 KB of gfx942's 64 KB LDS a warp, 8 warps at most.
         c = c + [dataclasses.replace(x, num_stages=2, block_k=bk) for bk in (128, 64) for x in c]
-        c = [x for x in dict.fromkeys(c) if x.num_warps <= 8
-             and (x.block_m + x.block_n) * x.block_k * x.k_unroll * x.num_stages <= 64 << 10]
+        c = [x for x in dict.fromkeys(c) if x.num_warps <= 8 and amd_lds_bytes(x) <= 4096 * x.num_warps]
     else:
         # Hopper: each tile whose matrix-core M reaches 64 also with its partial sums promoted
         # every 128 products (GemmConfig.mma_acc), the FP8 wgmma (QGMMA) Triton takes then,

@@ -409,7 +409,8 @@ def test_ir_hashes_tell_a_kernel_change_from_a_rename(tmp_path):
 def test_tune_gemm_candidates_can_run():
     """Every GEMM candidate the sweep times is a valid config for its problem (block scales:
     columns and K steps within the 128-blocks), and on AMD its operand tiles (``k_unroll`` steps
-    an iteration, ``num_stages`` deep) fit gfx942's 64 KB of LDS."""
+    an iteration, ``num_stages - 1`` deep, as the gate's compiles of gfx942 and gfx950 report
+    them) leave room for the gate's 4 waves a SIMD in gfx942's 64 KB of LDS."""
     from bench import tune
     from k3pallas.kernels import gemm
     for t in (1, 64, 512, 4096):
@@ -421,8 +422,12 @@ def test_tune_gemm_candidates_can_run():
                     gemm.check_config(c, a_group=128 if block else 7168,
                                       w_scale="block" if block else "channel", k=7168)
                     if amd:
-                        assert (c.block_m + c.block_n) * c.block_k * c.k_unroll * c.num_stages \
-                            <= 64 << 10, c
+                        assert tune.amd_lds_bytes(c) * 16 // c.num_warps <= 64 << 10, c
+    # The LDS the gate reported (gfx942 and gfx950 alike) for three forced configs.
+    C = tune.launch.GemmConfig
+    assert [tune.amd_lds_bytes(C(*e)) for e in ((16, 32, 128, 4, 2, False, 0, 1, 2),
+                                                (64, 64, 128, 4, 4), (16, 64, 128, 4, 6, True))] \
+        == [12288, 49152, 51200]
     assert any(c.k_unroll == 4 for c in tune.gemm_candidates(64, True, False))
 
 
