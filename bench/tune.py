@@ -332,9 +332,19 @@ def write_table(path, target, points, args):
     if getattr(args, "gemm", False):
         gemm = data.setdefault("gemm_configs", {})
         new = gemm_table(points, args.up_to)
-        # An entry of a shape this sweep measured (same n, k), at or below up_to, gives way.
+        # An entry of a shape this sweep measured (same n, k) whose token bucket reaches into the
+        # swept range (from its smallest T up to up_to) gives way; those below and above stay.
+        lowest = {}
+        for p in points:
+            keys = [p["key"]] + (["linear_fp8_group128_ue8m0"] if p["key"] == "linear_fp8_group128"
+                                 else [])
+            for kk in keys:
+                shape = (kk, p["n"], p["k"])
+                lowest[shape] = min(lowest.get(shape, p["tokens"]), p["tokens"])
+
         def replaced(key, e):
-            return (any(e[1:3] == x[1:3] for x in new.get(key, []))
+            low = lowest.get((key, e[1], e[2]))
+            return (low is not None and e[0] >= low
                     and (args.up_to is None or e[0] <= args.up_to))
         old = {key: [e for e in entries if not replaced(key, e)]
                for key, entries in gemm.get(target.arch, {}).items()}
@@ -370,7 +380,8 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join("bench", "out"))
     p.add_argument("--up-to", type=int, default=None,
                    help="the largest token count the largest swept one serves (a partial sweep: "
-                        "--write keeps the table's entries above it)")
+                        "--write keeps the table's entries above it; a --gemm sweep also those below "
+                        "its smallest token count)")
     p.add_argument("--write", action="store_true", help="merge the winners into tuned_configs.json")
     p.add_argument("--gemm", action="store_true",
                    help="sweep the scaled FP8 GEMM (linear) instead: --configs from "

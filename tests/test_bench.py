@@ -525,6 +525,19 @@ def test_tune_gemm_table_and_write(tmp_path, monkeypatch):
         launch.gemm_tuned_table.cache_clear()
         assert launch.gemm_config("linear_fp8_group128", 1, 7168, 1536, target=sm90,
                                   w_block=128) == GemmConfig(16, 64, 128, 4, 8, True, 128, True)
+        # A mid-range sweep (T = 64 and 512, --up-to 1448) replaces the buckets from 64 to 1448
+        # only: the decode entries below 64 and the one above 1448 stay.
+        args.up_to = 1448
+        tune.write_table(str(tmp_path / "out3.json"), types.SimpleNamespace(arch="sm_90", device_kind="H"),
+                         [point(64, [64, 64, 128, 4, 3, 0, 128, 1, 4]),
+                          point(512, [64, 128, 128, 4, 2, 0, 128, 0, 2])], args)
+        entries = json.loads((tmp_path / "out3.json").read_text())["gemm_configs"]["sm_90"][
+            "linear_fp8_group128_ue8m0"]
+        assert [e for e in entries if e[1] == 7168] == [
+            [4, 7168, 1536, 16, 64, 128, 4, 8, 1, 128, 1], [16, 7168, 1536, 16, 64, 128, 4, 12, 1],
+            [181, 7168, 1536, 64, 64, 128, 4, 3, 0, 128, 1, 4],
+            [1448, 7168, 1536, 64, 128, 128, 4, 2, 0, 128, 0, 2],
+            [2**31, 7168, 1536, 64, 128, 128, 4, 3, 0]]
     finally:
         launch.gemm_tuned_table.cache_clear()
 
