@@ -148,6 +148,12 @@ def gemm_sweep(configs, tokens, calls, log=print, on_point=None):
     return target, points
 
 
+def _table_keys(key: str) -> list:
+    """The GEMM table's launch keys a sweep point of ``key`` fills: UE8M0 takes the float32
+    group's entries (the same kernel)."""
+    return [key] + (["linear_fp8_group128_ue8m0"] if key == "linear_fp8_group128" else [])
+
+
 def gemm_table(points, up_to: int | None = None) -> dict:
     """{launch key: [[max_tokens, n, k, bm, bn, bk, warps, stages, swap(, mma_acc(, scale_prefetch(, k_unroll)))], ...]}: each measured T
     serves token counts up to the geometric mean with the next measured one, the largest all
@@ -162,8 +168,7 @@ def gemm_table(points, up_to: int | None = None) -> dict:
         for i, p in enumerate(ps):
             upper = (int(math.sqrt(p["tokens"] * ps[i + 1]["tokens"])) if i + 1 < len(ps)
                      else up_to or 2**31)
-            keys = [key] + (["linear_fp8_group128_ue8m0"] if key == "linear_fp8_group128" else [])
-            for kk in keys:
+            for kk in _table_keys(key):
                 out.setdefault(kk, []).append([upper, n, k, *p["best"]["config"]])
     return out
 
@@ -336,9 +341,7 @@ def write_table(path, target, points, args):
         # swept range (from its smallest T up to up_to) gives way; those below and above stay.
         lowest = {}
         for p in points:
-            keys = [p["key"]] + (["linear_fp8_group128_ue8m0"] if p["key"] == "linear_fp8_group128"
-                                 else [])
-            for kk in keys:
+            for kk in _table_keys(p["key"]):
                 shape = (kk, p["n"], p["k"])
                 lowest[shape] = min(lowest.get(shape, p["tokens"]), p["tokens"])
 

@@ -266,19 +266,21 @@ def gemm_heuristic(m: int, n: int, k: int, target: Target, *, w_block: int | Non
             return GemmConfig(16 if m <= 32 else 64, min(cap_n, 64), 128, 4, 2)
         return GemmConfig(128, min(cap_n, 128), 64, 8, 2)
     wgmma = 128 if target.arch.startswith("sm_90") else 0
+    # Hopper (measured), block scales over 32 K steps or more: 4 steps an iteration, their
+    # scales loaded an iteration early, 3 stages.
+    unrolled = bool(wgmma and w_block and k >= 32 * 128)
     if m <= GEMM_DECODE_ROWS:
         # Hopper (measured; 227 KB of shared memory): a long K of block scales 4 steps an
         # iteration (120 KB), per-channel weight scales a deeper pipeline (80 KB). Elsewhere
         # (99 KB on sm_86 / sm_89; untimed) the 60 KB tile.
-        if wgmma and w_block and k >= 32 * 128:
+        if unrolled:
             return GemmConfig(16, 64, 128, 4, 3, swap=True, mma_acc=wgmma, scale_prefetch=True,
                               k_unroll=4)
         return GemmConfig(16, 64, 128, 4, 8 if wgmma and not w_block else 6, swap=True,
                           mma_acc=wgmma)
     if m <= 128:
-        # Hopper, block scales, a long K: as at decode, 4 steps an iteration, scales prefetched,
-        # 3 stages (192 KB; the DeepSeek-V3 MLP at T = 64 on an H100: 18.05 us against 24.91).
-        if wgmma and w_block and k >= 32 * 128:
+        # 192 KB (the DeepSeek-V3 MLP at T = 64 on an H100: 18.05 us against 24.91).
+        if unrolled:
             return GemmConfig(64, 64, 128, 4, 3, mma_acc=wgmma, scale_prefetch=True, k_unroll=4)
         return GemmConfig(64, 64, 128, 4, 4, mma_acc=wgmma)
     return GemmConfig(64, min(cap_n, 128), 128, 4, 3, mma_acc=wgmma)
